@@ -1,0 +1,320 @@
+"""One Haiku decoder for GPT-J, GPT-2, GPT-NeoX/Pythia and Llama.
+
+Parameter paths are a contract (partition rules, HF conversion and checkpoints
+all key on them); every layer parameter carries a leading `n_layers` axis
+because the blocks are stacked with `hk.layer_stack` and scanned:
+
+  transformer/embed         embeddings [vocab, d_model]
+  transformer/pos_embed     embeddings [max_positions, d_model]      (learned positions)
+  transformer/layers/ln_1   scale, offset [L, d_model]               (offset: layernorm only)
+  transformer/layers/ln_2   scale, offset [L, d_model]               (absent for GPT-J)
+  transformer/layers/attn/q w [L, d_model, n_heads, head_dim], b [L, n_heads, head_dim]
+  transformer/layers/attn/k w [L, d_model, n_kv_heads, head_dim], b [L, n_kv_heads, head_dim]
+  transformer/layers/attn/v w [L, d_model, n_kv_heads, head_dim], b [L, n_kv_heads, head_dim]
+  transformer/layers/attn/o w [L, n_heads, head_dim, d_model], b [L, d_model]
+  transformer/layers/mlp/fc_in   w [L, d_model, d_ff], b [L, d_ff]
+  transformer/layers/mlp/fc_gate w [L, d_model, d_ff], b [L, d_ff]  (gated MLP only)
+  transformer/layers/mlp/fc_out  w [L, d_ff, d_model], b [L, d_model]
+  transformer/ln_f          scale, offset [d_model]
+  lm_head                   w [d_model, vocab], b [vocab]            (untied head only)
+
+Biases exist only where the architecture has them (ModelConfig.*_bias).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from pjit_ppo.models.config import ModelConfig
+
+# A large finite negative instead of -inf, so a row whose keys are all masked
+# (a pad query) gives a uniform softmax rather than NaN.
+_MASK_VALUE = -1e30
+
+
+class KVCache(NamedTuple):
+    """Per-layer keys and values: k, v [n_layers, batch, max_len, n_kv_heads, head_dim]."""
+    k: jax.Array
+    v: jax.Array
+
+
+def init_kv_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An all-zero cache for `batch` rows of up to `max_len` tokens (compute dtype)."""
+    dtype = dtype or config.compute_dtype
+    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def position_ids_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Exclusive cumulative sum of the mask: int32 [B, T]; first real token gets 0."""
+    m = attention_mask.astype(jnp.int32)
+    return jnp.cumsum(m, axis=-1) - m
+
+
+# ----------------------------------------------------------------- layers
+def _param(name, shape, init, dtype=jnp.float32):
+    return hk.get_parameter(name, shape, dtype, init=init)
+
+
+def _norm(config: ModelConfig, x: jax.Array, name: str) -> jax.Array:
+    """LayerNorm or RMSNorm computed in fp32, returned in x's dtype."""
+    with hk.name_scope(name):
+        d = x.shape[-1]
+        scale = _param("scale", [d], jnp.ones)
+        xf = x.astype(jnp.float32)
+        if config.norm == "rmsnorm":
+            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + config.norm_eps)
+            return (y * scale).astype(x.dtype)
+        offset = _param("offset", [d], jnp.zeros)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + config.norm_eps)
+        return (y * scale + offset).astype(x.dtype)
+
+
+def _dense(x, name, in_shape, out_shape, bias, dtype, contract=1):
+    """x [..., *in_shape] @ w [*in_shape, *out_shape] (+ b [*out_shape])."""
+    with hk.name_scope(name):
+        w = _param("w", list(in_shape) + list(out_shape), hk.initializers.RandomNormal(0.02))
+        y = jnp.tensordot(x, w.astype(dtype), axes=contract)
+        if bias:
+            y = y + _param("b", list(out_shape), jnp.zeros).astype(dtype)
+        return y
+
+
+def _activation(name):
+    return {"gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+            "gelu": functools.partial(jax.nn.gelu, approximate=False),
+            "silu": jax.nn.silu, "relu": jax.nn.relu}[name]
+
+
+def _rotary(config: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Applies rotary embeddings to the first rotary_dim dims of each head.
+
+    x: [B, T, heads, head_dim]; positions: int [B, T].
+    """
+    rd = config.rotary_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, rd, 2, dtype=jnp.float32) / rd))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rd/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    rot, rest = x[..., :rd].astype(jnp.float32), x[..., rd:]
+    if config.rotary_interleaved:  # GPT-J: pairs (0,1), (2,3), ...
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
+    else:  # NeoX / Llama: first half with second half
+        x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
+
+
+def _attention(config, x, positions, key_mask, cache_kv, cache_index):
+    """Causal self-attention over the cache slots (or over x itself without cache).
+
+    x: [B, T, D]; positions int [B, T]; key_mask bool [B, S] over all key slots;
+    cache_kv: None or (k, v) [B, S, KV, hd]; cache_index: int scalar, slot of x[:, 0].
+    Returns y [B, T, D] and the updated (k, v) or None.
+    """
+    c, dtype = config, x.dtype
+    h, kv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    with hk.name_scope("attn"):
+        q = _dense(x, "q", [c.d_model], [h, hd], c.qkv_bias, dtype)
+        k = _dense(x, "k", [c.d_model], [kv, hd], c.qkv_bias, dtype)
+        v = _dense(x, "v", [c.d_model], [kv, hd], c.qkv_bias, dtype)
+        if c.position == "rotary":
+            q, k = _rotary(c, q, positions), _rotary(c, k, positions)
+        if cache_kv is not None:
+            ck, cv = cache_kv
+            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
+            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
+            new_cache = (k, v)
+        else:
+            new_cache = None
+        b, t = x.shape[:2]
+        s = k.shape[1]
+        qg = q.reshape(b, t, kv, h // kv, hd)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(dtype),
+                            preferred_element_type=jnp.float32) * (hd ** -0.5)
+        query_slot = cache_index + jnp.arange(t)
+        causal = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
+        allowed = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
+        scores = jnp.where(allowed[:, None, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype)).reshape(b, t, h, hd)
+        y = _dense(out, "o", [h, hd], [c.d_model], c.attn_out_bias, dtype, contract=2)
+    return y, new_cache
+
+
+def _mlp(config, x):
+    c, dtype = config, x.dtype
+    act = _activation(c.activation)
+    with hk.name_scope("mlp"):
+        hidden = _dense(x, "fc_in", [c.d_model], [c.d_ff], c.mlp_bias, dtype)
+        if c.gated_mlp:  # Llama: down(act(gate(x)) * up(x)); fc_in is "up"
+            hidden = act(_dense(x, "fc_gate", [c.d_model], [c.d_ff], c.mlp_bias, dtype)) * hidden
+        else:
+            hidden = act(hidden)
+        return _dense(hidden, "fc_out", [c.d_ff], [c.d_model], c.mlp_bias, dtype)
+
+
+def _block(config, x, positions, key_mask, cache_kv, cache_index):
+    """One decoder layer; returns (x, updated cache (k, v) or None)."""
+    c = config
+    if c.parallel_residual:
+        h1 = _norm(c, x, "ln_1")
+        h2 = h1 if c.shared_parallel_norm else _norm(c, x, "ln_2")
+        attn, new_cache = _attention(c, h1, positions, key_mask, cache_kv, cache_index)
+        return x + attn + _mlp(c, h2), new_cache
+    attn, new_cache = _attention(c, _norm(c, x, "ln_1"), positions, key_mask, cache_kv,
+                                 cache_index)
+    x = x + attn
+    return x + _mlp(c, _norm(c, x, "ln_2")), new_cache
+
+
+def _remat(config, fn):
+    policy = config.remat_policy
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return hk.remat(fn)
+    if not hasattr(jax.checkpoint_policies, policy):
+        raise ValueError(f"unknown remat_policy {policy!r}: use 'none', 'full' or a name in "
+                         f"jax.checkpoint_policies")
+    return hk.remat(fn, policy=getattr(jax.checkpoint_policies, policy))
+
+
+def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key_mask):
+    """Token ids -> final hidden states [B, T, D] (after ln_f), and the new cache."""
+    c = config
+    dtype = jnp.dtype(c.compute_dtype)
+    with hk.name_scope("transformer"):
+        with hk.name_scope("embed"):
+            emb = _param("embeddings", [c.vocab_size, c.d_model],
+                         hk.initializers.RandomNormal(0.02))
+        x = jnp.take(emb, input_ids, axis=0).astype(dtype)
+        if c.position == "learned":
+            with hk.name_scope("pos_embed"):
+                pos = _param("embeddings", [c.max_positions, c.d_model],
+                             hk.initializers.RandomNormal(0.01))
+            x = x + jnp.take(pos, positions, axis=0).astype(dtype)
+
+        if cache is None:
+            def layer(x):
+                return _block(c, x, positions, key_mask, None, 0)[0]
+            x = hk.layer_stack(c.n_layers, name="layers")(_remat(c, layer))(x)
+            new_cache = None
+        else:
+            def layer(x, ck, cv):
+                x, (ck, cv) = _block(c, x, positions, key_mask, (ck, cv), cache_index)
+                return x, (ck, cv)
+            stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True, name="layers")
+            x, (ks, vs) = stack(_remat(c, layer))(x, cache.k, cache.v)
+            new_cache = KVCache(ks, vs)
+        x = _norm(c, x, "ln_f")
+    return x, new_cache
+
+
+def _lm_head(config, hidden):
+    """Creates the head parameters (untied) and applies lm_head_logits."""
+    c = config
+    if c.tie_word_embeddings:
+        with hk.name_scope("transformer"), hk.name_scope("embed"):
+            emb = _param("embeddings", [c.vocab_size, c.d_model],
+                         hk.initializers.RandomNormal(0.02))
+        return lm_head_logits(c, {"transformer/embed": {"embeddings": emb}}, hidden)
+    with hk.name_scope("lm_head"):
+        head = {"w": _param("w", [c.d_model, c.vocab_size], hk.initializers.RandomNormal(0.02))}
+        if c.lm_head_bias:
+            head["b"] = _param("b", [c.vocab_size], jnp.zeros)
+    return lm_head_logits(c, {"lm_head": head}, hidden)
+
+
+@functools.lru_cache(maxsize=None)
+def _transformed(config: ModelConfig):
+    def forward(input_ids, attention_mask, positions, cache, cache_index, key_mask, with_head):
+        hidden, new_cache = _trunk(config, input_ids, attention_mask, positions, cache,
+                                   cache_index, key_mask)
+        logits = _lm_head(config, hidden) if with_head else None
+        return hidden, logits, new_cache
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+# ----------------------------------------------------------------- public API
+def init_params(config: ModelConfig, key: jax.Array) -> hk.Params:
+    """Random LM parameters (normal(0.02) weights, zero biases, unit norm scales), fp32."""
+    ids = jnp.zeros((1, 2), jnp.int32)
+    mask = jnp.ones((1, 2), bool)
+    return _transformed(config).init(key, ids, mask, position_ids_from_mask(mask), None, 0,
+                                     mask, True)
+
+
+def param_shapes(config: ModelConfig) -> hk.Params:
+    """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating anything."""
+    return jax.eval_shape(init_params, config, jax.random.PRNGKey(0))
+
+
+def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
+            attention_mask: jax.Array, *, positions: Optional[jax.Array] = None,
+            cache: Optional[KVCache] = None, cache_index=0,
+            cache_mask: Optional[jax.Array] = None, with_head: bool = True):
+    """The full model.
+
+    Args:
+      input_ids: int32 [B, T].
+      attention_mask: bool/int [B, T]; False marks padding.
+      positions: int32 [B, T]; default: exclusive cumsum of attention_mask (so left
+        padding does not shift positions). Required with a cache after prefill.
+      cache: optional KVCache; x[:, t] is written to slot cache_index + t.
+      cache_index: int32 scalar, the slot of the first input token.
+      cache_mask: bool [B, S] over all cache slots (which slots hold real tokens,
+        including the ones being written). Required with a cache.
+      with_head: compute the LM logits.
+
+    Returns:
+      (hidden float [B, T, D] in compute dtype, logits float32 [B, T, V] or None,
+       new cache or None).
+    """
+    if positions is None:
+        positions = position_ids_from_mask(attention_mask)
+    if cache is None:
+        key_mask = attention_mask
+    elif cache_mask is None:
+        raise ValueError("forward with a cache needs cache_mask [batch, cache_len]")
+    else:
+        key_mask = cache_mask
+    return _transformed(config).apply(params, input_ids, attention_mask, positions, cache,
+                                      cache_index, key_mask.astype(bool), with_head)
+
+
+def hidden_states(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
+                  attention_mask: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
+    """Final hidden states (after ln_f): compute dtype [B, T, D]."""
+    return forward(config, params, input_ids, attention_mask, positions=positions,
+                   with_head=False)[0]
+
+
+def lm_head_logits(config: ModelConfig, params: hk.Params, hidden: jax.Array) -> jax.Array:
+    """LM head on hidden states [B, T, D] -> float32 logits [B, T, V].
+
+    Lets callers apply the head to only the positions they need (e.g. response tokens).
+    """
+    if config.tie_word_embeddings:
+        w = params["transformer/embed"]["embeddings"]
+        return jnp.einsum("btd,vd->btv", hidden, w.astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+    head = params["lm_head"]
+    logits = jnp.einsum("btd,dv->btv", hidden, head["w"].astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    if config.lm_head_bias:
+        logits = logits + head["b"]
+    return logits
+
+
+def lm_logits(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
+              attention_mask: jax.Array) -> jax.Array:
+    """Next-token logits, float32 [batch, seq, vocab]. Jittable; works on sharded params."""
+    return forward(config, params, input_ids, attention_mask)[1]

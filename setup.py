@@ -1,0 +1,36 @@
+"""pjit_ppo: PPO from human preferences for GPT-J-scale models with Haiku + pjit.
+
+GPU pods: install the CUDA build of jax first, at the same version as the pin
+below, e.g. ``pip install "jax[cuda12]==0.10.2"``, then ``pip install -e .``.
+The library itself never imports torch; torch is only a test dependency (the
+parity tests compare against transformers' PyTorch models).
+"""
+import setuptools
+
+setuptools.setup(
+    name="pjit_ppo",
+    version="0.1.0",
+    description="Haiku + pjit PPO trainer for language models from human preferences",
+    packages=setuptools.find_packages(include=["pjit_ppo", "pjit_ppo.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax==0.10.2",
+        "jaxlib==0.10.2",
+        "dm-haiku==0.0.17",
+        "optax==0.2.8",
+        "chex==0.1.92",
+        "orbax-checkpoint==0.12.8",
+        "absl-py>=2.5,<3",
+        "ml-collections==1.1.0",
+        "numpy>=1.26",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "tensorboardX>=2.6",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        # transformers (PyTorch models) is only needed to check parity and to
+        # make tiny checkpoints in tests; torch is pinned to the CPU wheel.
+        "test": ["pytest>=8", "torch==2.13.0", "transformers>=5,<6"],
+    },
+)
