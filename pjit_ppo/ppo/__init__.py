@@ -1,0 +1,1 @@
+"""PPO math: advantages, losses and KL controllers (pure, jittable functions)."""
