@@ -1,0 +1,238 @@
+"""Metric writers for the trainer: JSONL, TensorBoard and console.
+
+Every writer checks ``jax.process_index()`` when it is built and is a no-op on
+processes other than 0, so the trainer can call ``write`` everywhere in a
+multi-process run and get one copy of each metric.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+from typing import Callable, Iterable, Mapping
+
+import jax
+import numpy as np
+from absl import logging
+
+DEFAULT_CONSOLE_KEYS = (
+    "objective/scores",
+    "objective/kl",
+    "objective/kl_coef",
+    "ppo/policy/approxkl_avg",
+    "ppo/loss/total",
+    "ppo/lr",
+)
+
+
+def _is_chief() -> bool:
+    return jax.process_index() == 0
+
+
+def _to_python(value):
+    """Turns numpy/jax scalars (and 0-d or size-1 arrays) into int or float."""
+    if isinstance(value, (bool, int, float)):
+        return value
+    arr = np.asarray(value)
+    if arr.size != 1:
+        raise ValueError(f"metric value must be a scalar, got shape {arr.shape}")
+    item = arr.reshape(()).item()
+    return item if isinstance(item, (bool, int)) else float(item)
+
+
+class MetricWriter:
+    """Interface: ``write(step, scalars)`` once per iteration, then ``close()``."""
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Records scalars (str -> python/numpy/jax scalar) for iteration step."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Flushes and releases resources; later writes are not allowed."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class JsonlWriter(MetricWriter):
+    """Appends one JSON object ``{"iteration": step, **scalars}`` per write.
+
+    The file is opened in append mode (a resumed run continues the same file)
+    and flushed after each line, so a crash loses at most the line in flight.
+    NaN and inf are written as the non-standard JSON tokens NaN / Infinity,
+    which Python's json module reads back.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = None
+        if _is_chief():
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        if self._file is None:
+            return
+        record = {"iteration": int(step)}
+        record.update({k: _to_python(v) for k, v in scalars.items()})
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardWriter(MetricWriter):
+    """One tensorboardX ``add_scalar`` per key, with global_step = step."""
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+        self._writer = None
+        if _is_chief():
+            from tensorboardX import SummaryWriter  # heavy import, chief only
+            self._writer = SummaryWriter(logdir)
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        if self._writer is None:
+            return
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, float(_to_python(value)),
+                                    global_step=int(step))
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    return str(datetime.timedelta(seconds=int(round(seconds))))
+
+
+def _format_value(value) -> str:
+    value = _to_python(value)
+    if isinstance(value, (bool, int)):
+        return str(value)
+    return f"{value:.4g}"
+
+
+class ConsoleWriter(MetricWriter):
+    """Logs one compact line per write.
+
+    Example: ``iter 12/100 | elapsed 0:01:23 | ETA 0:10:09 | objective/scores
+    0.1234 | ppo/lr 8.8e-06``.
+
+    ``step`` is the number of iterations completed (the last is
+    ``total_iterations``). The ETA is (total_iterations - step) times the mean
+    iteration time since this writer was built, counting iterations from
+    ``start_step`` (the step a resumed run starts from), so writing only every
+    k-th iteration still gives the right rate. Keys absent from a write are
+    skipped.
+    """
+
+    def __init__(self, total_iterations: int,
+                 keys: Iterable[str] = DEFAULT_CONSOLE_KEYS,
+                 start_step: int = 0,
+                 print_fn: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.total_iterations = int(total_iterations)
+        self.keys = tuple(keys)
+        self.start_step = int(start_step)
+        self._print = print_fn or (lambda line: logging.info("%s", line))
+        self._clock = clock
+        self._start_time = clock()
+        self._active = _is_chief()
+
+    def format_line(self, step: int, scalars: Mapping[str, float]) -> str:
+        """The line ``write`` would log, without logging it."""
+        elapsed = self._clock() - self._start_time
+        done = int(step) - self.start_step
+        if done > 0:
+            eta = elapsed / done * max(self.total_iterations - int(step), 0)
+        else:
+            eta = float("nan")
+        parts = [f"iter {int(step)}/{self.total_iterations}",
+                 f"elapsed {_format_duration(elapsed)}",
+                 f"ETA {_format_duration(eta)}"]
+        parts += [f"{k} {_format_value(scalars[k])}"
+                  for k in self.keys if k in scalars]
+        return " | ".join(parts)
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        if self._active:
+            self._print(self.format_line(step, scalars))
+
+
+class MultiWriter(MetricWriter):
+    """Forwards every write and close to each of a list of writers."""
+
+    def __init__(self, writers: Iterable[MetricWriter]):
+        self.writers = list(writers)
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        for writer in self.writers:
+            writer.write(step, scalars)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+def make_writers(workdir: str, total_iterations: int,
+                 console_keys: Iterable[str] = DEFAULT_CONSOLE_KEYS,
+                 tensorboard: bool = True, start_step: int = 0) -> MultiWriter:
+    """Builds the trainer's writers.
+
+    ``<workdir>/metrics.jsonl`` (JSONL), ``<workdir>/tensorboard/`` (event
+    files, if tensorboard) and the console. All are no-ops off process 0.
+
+    Args:
+      workdir: run directory.
+      total_iterations: number of iterations of the run, for the ETA.
+      console_keys: metric names shown on the console line.
+      tensorboard: whether to write TensorBoard event files.
+      start_step: iteration the run starts (or resumes) from.
+
+    Returns:
+      A MultiWriter over the writers.
+    """
+    writers = [JsonlWriter(os.path.join(workdir, "metrics.jsonl"))]
+    if tensorboard:
+        writers.append(TensorBoardWriter(os.path.join(workdir, "tensorboard")))
+    writers.append(ConsoleWriter(total_iterations, console_keys,
+                                 start_step=start_step))
+    return MultiWriter(writers)
+
+
+def device_memory_stats() -> dict[str, float]:
+    """Maxima over local devices of the backend's memory counters, in MiB.
+
+    Returns:
+      {"memory/bytes_in_use_mib": float, "memory/peak_bytes_in_use_mib":
+      float}, each key only if some device reports it; {} on backends without
+      memory stats (CPU returns None).
+    """
+    maxima: dict[str, float] = {}
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if not stats:
+            continue
+        for name in ("bytes_in_use", "peak_bytes_in_use"):
+            if name in stats:
+                key = f"memory/{name}_mib"
+                mib = stats[name] / 2**20
+                maxima[key] = max(maxima.get(key, 0.0), mib)
+    return maxima
