@@ -1,0 +1,73 @@
+"""What PPO asks of the four models, on query+response sequences.
+
+Queries are left-padded [B, Q] with a mask; responses are [B, R]. The logits that
+predict response token t sit at sequence position Q - 1 + t, so the LM head is
+applied to those R positions only (never to the query positions).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from pjit_ppo.models import heads
+from pjit_ppo.models.config import ModelConfig
+from pjit_ppo.models.transformer import hidden_states, lm_head_logits
+from pjit_ppo.ppo.losses import entropy_from_logits
+
+
+def _sequence(query, query_mask, response, response_mask):
+    ids = jnp.concatenate([query, response], axis=1)
+    if response_mask is None:
+        response_mask = jnp.ones(response.shape, bool)
+    mask = jnp.concatenate([query_mask.astype(bool), response_mask.astype(bool)], axis=1)
+    return ids, mask
+
+
+def response_hidden(config: ModelConfig, params, query, query_mask, response,
+                    response_mask=None) -> jax.Array:
+    """Hidden states at the R positions that predict the response: [B, R, D]."""
+    ids, mask = _sequence(query, query_mask, response, response_mask)
+    q, r = query.shape[1], response.shape[1]
+    return hidden_states(config, params, ids, mask)[:, q - 1:q + r - 1]
+
+
+def logprobs_from_hidden(config: ModelConfig, params, hidden, response, temperature: float,
+                         with_entropy: bool = False):
+    """Log-probabilities of `response` under logits / temperature.
+
+    hidden: [B, R, D]; response: int32 [B, R]. Returns float32 logprobs [B, R] and,
+    if with_entropy, the per-token entropy [B, R] of the same distribution.
+    """
+    logits = lm_head_logits(config, params, hidden) / temperature
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, response[..., None], axis=-1)[..., 0]
+    logprobs = picked - logz
+    if with_entropy:
+        return logprobs, entropy_from_logits(logits)
+    return logprobs
+
+
+def response_logprobs(config: ModelConfig, params, query, query_mask, response,
+                      temperature: float, response_mask: Optional[jax.Array] = None):
+    """float32 [B, R] log-probabilities of the response tokens (temperature-scaled)."""
+    hidden = response_hidden(config, params, query, query_mask, response, response_mask)
+    return logprobs_from_hidden(config, params, hidden, response, temperature)
+
+
+def response_values(config: ModelConfig, critic_params, query, query_mask, response,
+                    response_mask=None) -> jax.Array:
+    """Critic values at the positions that predict each response token: float32 [B, R]."""
+    hidden = response_hidden(config, critic_params, query, query_mask, response, response_mask)
+    return heads.value_from_hidden(critic_params, hidden)
+
+
+def sequence_reward(config: ModelConfig, reward_params, query, query_mask, response,
+                    response_mask) -> jax.Array:
+    """Reward-model score of each (query, response) at its last real token: float32 [B]."""
+    ids, mask = _sequence(query, query_mask, response, response_mask)
+    hidden = hidden_states(config, reward_params, ids, mask)
+    last = heads.last_true_index(mask)
+    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return heads.reward_from_hidden(reward_params, h_last)

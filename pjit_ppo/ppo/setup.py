@@ -1,0 +1,53 @@
+"""Assembling the four models of a run from LM parameter trees.
+
+policy    trainable, fp32, the LM tree
+critic    trainable, fp32: a trunk (from the reward model or the policy) + zero value head
+reference frozen copy of the initial policy, stored in the compute dtype
+reward    frozen, compute dtype: trunk + reward head
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pjit_ppo.models import heads
+
+
+def _copy(tree, dtype=None):
+    """A jitted copy (new buffers, same shardings), optionally cast to `dtype`.
+
+    New buffers matter: the train state is donated every update, so a frozen
+    model must never share buffers with a trainable one.
+    """
+    def cast(x):
+        return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) \
+            else x
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, tree)
+    return jax.jit(lambda t: jax.tree_util.tree_map(lambda x: jnp.copy(cast(x)), t),
+                   out_shardings=shardings)(tree)
+
+
+def trunk_only(lm_params: dict) -> dict:
+    """The LM tree without its (untied) LM head and any scalar heads."""
+    return {k: v for k, v in lm_params.items()
+            if k != "lm_head" and not k.endswith("_head")}
+
+
+def make_critic(trunk_params: dict, d_model: int, mesh=None) -> dict:
+    """Critic params: a copy of `trunk_params`' trunk plus a zero-initialised value head."""
+    critic = _copy(trunk_only(trunk_params))
+    head = heads.init_value_head(d_model)
+    if mesh is not None:
+        head = jax.device_put(head, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    critic.update(head)
+    return critic
+
+
+def make_reference(policy_params: dict, compute_dtype: str) -> dict:
+    """Frozen reference: a copy of the policy in the compute dtype."""
+    return _copy(policy_params, jnp.dtype(compute_dtype))
+
+
+def make_frozen(params: dict, compute_dtype: str) -> dict:
+    """A frozen inference copy of any model (compute dtype, no optimizer state)."""
+    return _copy(params, jnp.dtype(compute_dtype))
