@@ -177,3 +177,20 @@ def test_ppo_learns_a_token_reward():
     assert first < 0.15  # 3 of 63 tokens at random
     assert last > first + 0.3, (first, last)
     assert max(h["objective/kl"] for h in history) < 30.0
+
+
+def test_logprobs_and_entropy_from_hidden_match_softmax():
+    from pjit_ppo.ppo.losses import entropy_from_logits
+    from pjit_ppo.ppo.scoring import logprobs_from_hidden
+    from pjit_ppo.models import lm_head_logits
+    model = ModelConfig.from_hf_dict(TINY)
+    params = init_params(model, jax.random.PRNGKey(0))
+    hidden = jax.random.normal(jax.random.PRNGKey(1), (3, 5, model.d_model))
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (3, 5), 0, VOCAB)
+    logp, ent = logprobs_from_hidden(model, params, hidden, tokens, 0.7, with_entropy=True)
+    logits = np.asarray(lm_head_logits(model, params, hidden), np.float64) / 0.7
+    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(logp, np.take_along_axis(ref, np.asarray(tokens)[..., None],
+                                                        -1)[..., 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, entropy_from_logits(jnp.asarray(logits, jnp.float32)),
+                               rtol=1e-5, atol=1e-5)

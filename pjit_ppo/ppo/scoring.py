@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from pjit_ppo.models import heads
 from pjit_ppo.models.config import ModelConfig
 from pjit_ppo.models.transformer import hidden_states, lm_head_logits
-from pjit_ppo.ppo.losses import entropy_from_logits
 
 
 def _sequence(query, query_mask, response, response_mask):
@@ -45,7 +44,10 @@ def logprobs_from_hidden(config: ModelConfig, params, hidden, response, temperat
     picked = jnp.take_along_axis(logits, response[..., None], axis=-1)[..., 0]
     logprobs = picked - logz
     if with_entropy:
-        return logprobs, entropy_from_logits(logits)
+        # A metric only: no gradient, and it reuses logz (one extra pass over the vocab).
+        logits_sg, logz_sg = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(logz)
+        probs = jnp.exp(logits_sg - logz_sg[..., None])
+        return logprobs, logz_sg - jnp.sum(probs * logits_sg, axis=-1)
     return logprobs
 
 

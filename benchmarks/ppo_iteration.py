@@ -1,0 +1,92 @@
+"""Seconds per PPO iteration (rollout / update split), episodes/s and MFU.
+
+  python benchmarks/ppo_iteration.py                 # the CPU shape of the PPO issue
+  python benchmarks/ppo_iteration.py --preset gpt2_124m --batch_size 512   # on a GPU
+
+Default shape: GPT-2 architecture, vocab 50257, d_model 256, 4 layers, 4 heads,
+fp32; separate critic and reward model of the same shape; query 64, response 24,
+batch 64, 1 minibatch, 4 epochs, no gradient accumulation. Random weights and
+prompts. MFU is against a square-matmul peak measured in the same run.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from configs import common  # noqa: E402
+from pjit_ppo import flops  # noqa: E402
+from pjit_ppo.ppo import run  # noqa: E402
+
+PRESETS = {
+    "cpu_small": dict(n_embd=256, n_layer=4, n_head=4),
+    "gpt2_124m": dict(n_embd=768, n_layer=12, n_head=12),
+}
+
+
+def make_config(args):
+    c = common.base_config()
+    c.model.random = dict(model_type="gpt2", vocab_size=50257, n_positions=1024,
+                          **PRESETS[args.preset])
+    c.model.compute_dtype = args.dtype
+    c.model.remat_policy = args.remat_policy
+    c.reward.kind = "model"
+    c.ppo = common.ppo_defaults(
+        query_length=64, response_length=24, batch_size=args.batch_size, nminibatches=1,
+        noptepochs=4, gradient_accumulation_steps=args.grad_accum,
+        total_episodes=args.batch_size * 1000, critic_init="reward", pad_token_id=50256)
+    c.measure_peak = False
+    return c
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="cpu_small", choices=sorted(PRESETS))
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--grad_accum", type=int, default=1)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--remat_policy", default="none")
+    p.add_argument("--iterations", type=int, default=5, help="timed iterations after warm-up")
+    args = p.parse_args()
+
+    config = make_config(args)
+    t0 = time.perf_counter()
+    trainer, state, frozen, prompts, _ = run.build(config)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    q, m = prompts(0)
+    state, _ = trainer.step(state, frozen, q, m, 0)  # compiles both phases
+    warm_s = time.perf_counter() - t0
+    rows = []
+    for it in range(1, args.iterations + 1):
+        q, m = prompts(it)
+        state, metrics = trainer.step(state, frozen, q, m, it)
+        rows.append(metrics)
+    peak = flops.measure_matmul_peak_flops(n=2048) * jax.device_count()
+
+    def med(key):
+        return statistics.median(r[key] for r in rows)
+
+    rollout_s, update_s = med("time/rollout_s"), med("time/update_s")
+    it_s = med("time/iteration_s")
+    print(f"shape: preset={args.preset} batch={args.batch_size} query=64 response=24 "
+          f"epochs=4 minibatches=1 grad_accum={args.grad_accum} dtype={args.dtype} "
+          f"remat={args.remat_policy} devices={jax.device_count()} "
+          f"({jax.devices()[0].platform})")
+    print(f"build_s: {build_s:.1f}  first_iteration_s (incl. compile): {warm_s:.1f}")
+    print("iteration_s (all): " + ", ".join(f"{r['time/iteration_s']:.2f}" for r in rows))
+    print(f"median iteration_s: {it_s:.2f}  rollout_s: {rollout_s:.2f}  update_s: {update_s:.2f}")
+    print(f"episodes_per_s: {args.batch_size / it_s:.2f}")
+    print(f"model TFLOP per iteration: rollout {trainer.flops['rollout'] / 1e12:.3f}, "
+          f"update {trainer.flops['update'] / 1e12:.3f}")
+    print(f"matmul peak (measured now): {peak / 1e9:.1f} GFLOP/s")
+    print(f"rollout MFU: {trainer.flops['rollout'] / rollout_s / peak:.3f}  "
+          f"update MFU: {trainer.flops['update'] / update_s / peak:.3f}")
+
+
+if __name__ == "__main__":
+    main()
