@@ -1,4 +1,5 @@
 """PPO math (GAE, whitening, losses, entropy, KL controllers) vs numpy references."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,203 +14,205 @@ SEEDS = [0, 1, 2]
 
 
 def _rand(seed, shape, n=1):
-  rng = np.random.default_rng(seed)
-  return [rng.normal(size=shape).astype(np.float32) for _ in range(n)], rng
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=shape).astype(np.float32) for _ in range(n)], rng
 
 
 def _np_gae(rewards, values, gamma, lam):
-  b, t = rewards.shape
-  adv = np.zeros((b, t), np.float64)
-  for i in range(b):
-    last = 0.0
-    for s in reversed(range(t)):
-      next_v = values[i, s + 1] if s + 1 < t else 0.0
-      delta = rewards[i, s] + gamma * next_v - values[i, s]
-      last = delta + gamma * lam * last
-      adv[i, s] = last
-  return adv, adv + values
+    b, t = rewards.shape
+    adv = np.zeros((b, t), np.float64)
+    for i in range(b):
+        last = 0.0
+        for s in reversed(range(t)):
+            next_v = values[i, s + 1] if s + 1 < t else 0.0
+            delta = rewards[i, s] + gamma * next_v - values[i, s]
+            last = delta + gamma * lam * last
+            adv[i, s] = last
+    return adv, adv + values
 
 
 def _np_masked_mean(x, m):
-  return (x * m).sum() / m.sum()
+    return (x * m).sum() / m.sum()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.5)])
 def test_gae_matches_loop(shape, seed, gamma, lam):
-  (r, v), _ = _rand(seed, shape, 2)
-  adv, ret = jax.jit(adv_lib.gae)(r, v, gamma, lam)
-  ref_adv, ref_ret = _np_gae(r.astype(np.float64), v.astype(np.float64), gamma, lam)
-  assert adv.shape == shape and ret.shape == shape
-  np.testing.assert_allclose(adv, ref_adv, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(ret, ref_ret, rtol=1e-5, atol=1e-5)
+    (r, v), _ = _rand(seed, shape, 2)
+    adv, ret = jax.jit(adv_lib.gae)(r, v, gamma, lam)
+    ref_adv, ref_ret = _np_gae(r.astype(np.float64), v.astype(np.float64), gamma, lam)
+    assert adv.shape == shape and ret.shape == shape
+    np.testing.assert_allclose(adv, ref_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret, ref_ret, rtol=1e-5, atol=1e-5)
 
 
 def test_gae_hand_example():
-  # gamma=1, lam=1: advantage = reward-to-go - V(s_t).
-  r = np.array([[1.0, 2.0, 3.0]], np.float32)
-  v = np.array([[0.5, 0.0, 1.0]], np.float32)
-  adv, ret = adv_lib.gae(r, v, 1.0, 1.0)
-  np.testing.assert_allclose(adv, [[5.5, 5.0, 2.0]], rtol=1e-6)
-  np.testing.assert_allclose(ret, [[6.0, 5.0, 3.0]], rtol=1e-6)
+    # gamma=1, lam=1: advantage = reward-to-go - V(s_t).
+    r = np.array([[1.0, 2.0, 3.0]], np.float32)
+    v = np.array([[0.5, 0.0, 1.0]], np.float32)
+    adv, ret = adv_lib.gae(r, v, 1.0, 1.0)
+    np.testing.assert_allclose(adv, [[5.5, 5.0, 2.0]], rtol=1e-6)
+    np.testing.assert_allclose(ret, [[6.0, 5.0, 3.0]], rtol=1e-6)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shift_mean", [True, False])
 def test_whiten(seed, shift_mean):
-  (x,), _ = _rand(seed, (6, 10))
-  x = 3.0 * x + 2.0
-  got = jax.jit(adv_lib.whiten, static_argnums=1)(x, shift_mean)
-  xd = x.astype(np.float64)
-  mean, var = xd.mean(), xd.var()
-  ref = (xd - mean) / np.sqrt(var + 1e-8)
-  if not shift_mean:
-    ref = ref + mean
-  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-  if shift_mean:
-    assert abs(float(got.mean())) < 1e-5
-  else:
-    np.testing.assert_allclose(float(got.mean()), mean, rtol=1e-5)
-  np.testing.assert_allclose(float(got.std()), 1.0, rtol=1e-4)
+    (x,), _ = _rand(seed, (6, 10))
+    x = 3.0 * x + 2.0
+    got = jax.jit(adv_lib.whiten, static_argnums=1)(x, shift_mean)
+    xd = x.astype(np.float64)
+    mean, var = xd.mean(), xd.var()
+    ref = (xd - mean) / np.sqrt(var + 1e-8)
+    if not shift_mean:
+        ref = ref + mean
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    if shift_mean:
+        assert abs(float(got.mean())) < 1e-5
+    else:
+        np.testing.assert_allclose(float(got.mean()), mean, rtol=1e-5)
+    np.testing.assert_allclose(float(got.std()), 1.0, rtol=1e-4)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shift_mean", [True, False])
 def test_whiten_masked(seed, shift_mean):
-  (x,), rng = _rand(seed, (5, 9))
-  mask = rng.random((5, 9)) > 0.4
-  mask[0, 0] = True
-  x_bad = np.where(mask, x, 1e6).astype(np.float32)  # padding garbage must not matter
-  got = jax.jit(lambda x, m: adv_lib.whiten(x, shift_mean, mask=m))(x_bad, mask)
-  sel = x[mask].astype(np.float64)
-  mean, var = sel.mean(), sel.var()
-  ref = (sel - mean) / np.sqrt(var + 1e-8)
-  if not shift_mean:
-    ref = ref + mean
-  np.testing.assert_allclose(np.asarray(got)[mask], ref, rtol=1e-5, atol=1e-5)
+    (x,), rng = _rand(seed, (5, 9))
+    mask = rng.random((5, 9)) > 0.4
+    mask[0, 0] = True
+    x_bad = np.where(mask, x, 1e6).astype(np.float32)  # padding garbage must not matter
+    got = jax.jit(lambda x, m: adv_lib.whiten(x, shift_mean, mask=m))(x_bad, mask)
+    sel = x[mask].astype(np.float64)
+    mean, var = sel.mean(), sel.var()
+    ref = (sel - mean) / np.sqrt(var + 1e-8)
+    if not shift_mean:
+        ref = ref + mean
+    np.testing.assert_allclose(np.asarray(got)[mask], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_masked_mean_var_axis_and_empty():
-  x = np.arange(12, dtype=np.float32).reshape(3, 4)
-  m = np.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 1, 1]], np.float32)
-  np.testing.assert_allclose(losses.masked_mean(x, m, axis=1), [0.5, 0.0, (8 + 10 + 11) / 3])
-  np.testing.assert_allclose(losses.masked_var(x, m, axis=1),
-                             [0.25, 0.0, np.var([8, 10, 11])], rtol=1e-6)
-  np.testing.assert_allclose(losses.masked_mean(x, m), x[m > 0].mean(), rtol=1e-6)
-  np.testing.assert_allclose(losses.masked_var(x, m), x[m > 0].var(), rtol=1e-6)
-  np.testing.assert_allclose(losses.masked_mean(x, None), x.mean())
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    m = np.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 1, 1]], np.float32)
+    np.testing.assert_allclose(losses.masked_mean(x, m, axis=1), [0.5, 0.0, (8 + 10 + 11) / 3])
+    np.testing.assert_allclose(
+        losses.masked_var(x, m, axis=1), [0.25, 0.0, np.var([8, 10, 11])], rtol=1e-6
+    )
+    np.testing.assert_allclose(losses.masked_mean(x, m), x[m > 0].mean(), rtol=1e-6)
+    np.testing.assert_allclose(losses.masked_var(x, m), x[m > 0].var(), rtol=1e-6)
+    np.testing.assert_allclose(losses.masked_mean(x, None), x.mean())
 
 
 def _np_policy_loss(new, old, adv, m, c):
-  ratio = np.exp(new - old)
-  l1 = -adv * ratio
-  l2 = -adv * np.clip(ratio, 1 - c, 1 + c)
-  return {
-      "loss": _np_masked_mean(np.maximum(l1, l2), m),
-      "approxkl": 0.5 * _np_masked_mean((new - old) ** 2, m),
-      "clipfrac": _np_masked_mean((l2 > l1).astype(np.float64), m),
-      "ratio": _np_masked_mean(ratio, m),
-      "ratio_var": _np_masked_mean((ratio - _np_masked_mean(ratio, m)) ** 2, m),
-  }
+    ratio = np.exp(new - old)
+    l1 = -adv * ratio
+    l2 = -adv * np.clip(ratio, 1 - c, 1 + c)
+    return {
+        "loss": _np_masked_mean(np.maximum(l1, l2), m),
+        "approxkl": 0.5 * _np_masked_mean((new - old) ** 2, m),
+        "clipfrac": _np_masked_mean((l2 > l1).astype(np.float64), m),
+        "ratio": _np_masked_mean(ratio, m),
+        "ratio_var": _np_masked_mean((ratio - _np_masked_mean(ratio, m)) ** 2, m),
+    }
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shape", [(4, 6), (16, 24)])
 def test_policy_loss(seed, shape):
-  (old, adv, noise), rng = _rand(seed, shape, 3)
-  new = old + 0.3 * noise  # ratios spread around 1, so clipping is exercised
-  mask = (rng.random(shape) > 0.3).astype(np.float32)
-  loss, stats = jax.jit(losses.policy_loss)(new, old, adv, mask, 0.2)
-  ref = _np_policy_loss(*(a.astype(np.float64) for a in (new, old, adv, mask)), 0.2)
-  assert 0.05 < ref["clipfrac"] < 0.95
-  np.testing.assert_allclose(loss, ref["loss"], rtol=1e-5, atol=1e-6)
-  for k, v in ref.items():
-    np.testing.assert_allclose(stats[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
-  assert all(s.shape == () for s in stats.values())
+    (old, adv, noise), rng = _rand(seed, shape, 3)
+    new = old + 0.3 * noise  # ratios spread around 1, so clipping is exercised
+    mask = (rng.random(shape) > 0.3).astype(np.float32)
+    loss, stats = jax.jit(losses.policy_loss)(new, old, adv, mask, 0.2)
+    ref = _np_policy_loss(*(a.astype(np.float64) for a in (new, old, adv, mask)), 0.2)
+    assert 0.05 < ref["clipfrac"] < 0.95
+    np.testing.assert_allclose(loss, ref["loss"], rtol=1e-5, atol=1e-6)
+    for k, v in ref.items():
+        np.testing.assert_allclose(stats[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert all(s.shape == () for s in stats.values())
 
 
 def test_policy_loss_on_policy_is_minus_mean_advantage():
-  (old, adv), _ = _rand(3, (4, 5), 2)
-  mask = np.ones((4, 5), bool)
-  loss, stats = losses.policy_loss(old, old, adv, mask, 0.2)
-  np.testing.assert_allclose(loss, -adv.mean(), rtol=1e-5, atol=1e-6)
-  assert float(stats["approxkl"]) == 0.0 and float(stats["clipfrac"]) == 0.0
-  np.testing.assert_allclose(stats["ratio"], 1.0)
+    (old, adv), _ = _rand(3, (4, 5), 2)
+    mask = np.ones((4, 5), bool)
+    loss, stats = losses.policy_loss(old, old, adv, mask, 0.2)
+    np.testing.assert_allclose(loss, -adv.mean(), rtol=1e-5, atol=1e-6)
+    assert float(stats["approxkl"]) == 0.0 and float(stats["clipfrac"]) == 0.0
+    np.testing.assert_allclose(stats["ratio"], 1.0)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_value_loss(seed):
-  shape = (8, 12)
-  (old_v, noise, ret), rng = _rand(seed, shape, 3)
-  new_v = old_v + 0.4 * noise
-  mask = rng.random(shape) > 0.25
-  loss, stats = jax.jit(losses.value_loss)(new_v, old_v, ret, mask, 0.2)
-  n, o, r, m = (a.astype(np.float64) for a in (new_v, old_v, ret, mask))
-  clipped = o + np.clip(n - o, -0.2, 0.2)
-  l1, l2 = (n - r) ** 2, (clipped - r) ** 2
-  ref_loss = 0.5 * _np_masked_mean(np.maximum(l1, l2), m)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  np.testing.assert_allclose(stats["loss"], ref_loss, rtol=1e-5)
-  np.testing.assert_allclose(stats["clipfrac"], _np_masked_mean(l2 > l1, m), rtol=1e-6)
-  np.testing.assert_allclose(stats["error"], _np_masked_mean(l1, m), rtol=1e-5)
-  np.testing.assert_allclose(stats["vpred"], _np_masked_mean(n, m), rtol=1e-5, atol=1e-6)
-  assert 0.0 < float(stats["clipfrac"]) < 1.0
+    shape = (8, 12)
+    (old_v, noise, ret), rng = _rand(seed, shape, 3)
+    new_v = old_v + 0.4 * noise
+    mask = rng.random(shape) > 0.25
+    loss, stats = jax.jit(losses.value_loss)(new_v, old_v, ret, mask, 0.2)
+    n, o, r, m = (a.astype(np.float64) for a in (new_v, old_v, ret, mask))
+    clipped = o + np.clip(n - o, -0.2, 0.2)
+    l1, l2 = (n - r) ** 2, (clipped - r) ** 2
+    ref_loss = 0.5 * _np_masked_mean(np.maximum(l1, l2), m)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(stats["loss"], ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(stats["clipfrac"], _np_masked_mean(l2 > l1, m), rtol=1e-6)
+    np.testing.assert_allclose(stats["error"], _np_masked_mean(l1, m), rtol=1e-5)
+    np.testing.assert_allclose(stats["vpred"], _np_masked_mean(n, m), rtol=1e-5, atol=1e-6)
+    assert 0.0 < float(stats["clipfrac"]) < 1.0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_entropy_from_logits(seed):
-  (logits,), _ = _rand(seed, (3, 5, 50))
-  logits = 4.0 * logits
-  got = jax.jit(losses.entropy_from_logits)(logits)
-  l = logits.astype(np.float64)
-  p = np.exp(l - l.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  ref = -(p * np.log(p)).sum(-1)
-  assert got.shape == (3, 5) and got.dtype == jnp.float32
-  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    (logits,), _ = _rand(seed, (3, 5, 50))
+    logits = 4.0 * logits
+    got = jax.jit(losses.entropy_from_logits)(logits)
+    l = logits.astype(np.float64)
+    p = np.exp(l - l.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = -(p * np.log(p)).sum(-1)
+    assert got.shape == (3, 5) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_entropy_stable_extremes():
-  logits = np.array([[0.0, 0.0, 0.0, 0.0], [1e4, 0.0, -1e4, 0.0],
-                     [0.0, 0.0, -np.inf, -np.inf]], np.float32)
-  got = np.asarray(losses.entropy_from_logits(jnp.asarray(logits, jnp.bfloat16)))
-  np.testing.assert_allclose(got, [np.log(4.0), 0.0, np.log(2.0)], atol=1e-5)
-  grad = jax.grad(lambda l: losses.entropy_from_logits(l).sum())(jnp.asarray(logits))
-  assert np.isfinite(np.asarray(grad)).all()
+    logits = np.array(
+        [[0.0, 0.0, 0.0, 0.0], [1e4, 0.0, -1e4, 0.0], [0.0, 0.0, -np.inf, -np.inf]], np.float32
+    )
+    got = np.asarray(losses.entropy_from_logits(jnp.asarray(logits, jnp.bfloat16)))
+    np.testing.assert_allclose(got, [np.log(4.0), 0.0, np.log(2.0)], atol=1e-5)
+    grad = jax.grad(lambda l: losses.entropy_from_logits(l).sum())(jnp.asarray(logits))
+    assert np.isfinite(np.asarray(grad)).all()
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_adaptive_kl_controller(seed):
-  cfg = kl_lib.KLControllerConfig(kind="adaptive", init_kl_coef=0.15, target=6.0, horizon=10000)
-  rng = np.random.default_rng(seed)
-  kls = rng.uniform(0.0, 15.0, size=20)
-  update = jax.jit(lambda c, k: kl_lib.kl_update(cfg, c, k, 512))
-  coef = kl_lib.kl_init(cfg)
-  assert coef.dtype == jnp.float32 and float(coef) == pytest.approx(0.15)
-  ref = 0.15
-  for k in kls:
-    coef = update(coef, k)
-    err = np.clip(k / 6.0 - 1.0, -0.2, 0.2)
-    ref *= 1.0 + err * 512 / 10000
-    np.testing.assert_allclose(float(coef), ref, rtol=1e-5)
-  assert float(coef) != pytest.approx(0.15)
+    cfg = kl_lib.KLControllerConfig(kind="adaptive", init_kl_coef=0.15, target=6.0, horizon=10000)
+    rng = np.random.default_rng(seed)
+    kls = rng.uniform(0.0, 15.0, size=20)
+    update = jax.jit(lambda c, k: kl_lib.kl_update(cfg, c, k, 512))
+    coef = kl_lib.kl_init(cfg)
+    assert coef.dtype == jnp.float32 and float(coef) == pytest.approx(0.15)
+    ref = 0.15
+    for k in kls:
+        coef = update(coef, k)
+        err = np.clip(k / 6.0 - 1.0, -0.2, 0.2)
+        ref *= 1.0 + err * 512 / 10000
+        np.testing.assert_allclose(float(coef), ref, rtol=1e-5)
+    assert float(coef) != pytest.approx(0.15)
 
 
 def test_adaptive_kl_direction_and_clip():
-  cfg = kl_lib.KLControllerConfig()
-  # KL far above target: error clipped at +0.2.
-  np.testing.assert_allclose(kl_lib.kl_update(cfg, 0.15, 100.0, 1000), 0.15 * 1.02, rtol=1e-6)
-  # KL = 0: error clipped at -0.2.
-  np.testing.assert_allclose(kl_lib.kl_update(cfg, 0.15, 0.0, 1000), 0.15 * 0.98, rtol=1e-6)
-  np.testing.assert_allclose(kl_lib.kl_update(cfg, 0.15, 6.0, 1000), 0.15, rtol=1e-6)
+    cfg = kl_lib.KLControllerConfig()
+    # KL far above target: error clipped at +0.2.
+    np.testing.assert_allclose(kl_lib.kl_update(cfg, 0.15, 100.0, 1000), 0.15 * 1.02, rtol=1e-6)
+    # KL = 0: error clipped at -0.2.
+    np.testing.assert_allclose(kl_lib.kl_update(cfg, 0.15, 0.0, 1000), 0.15 * 0.98, rtol=1e-6)
+    np.testing.assert_allclose(kl_lib.kl_update(cfg, 0.15, 6.0, 1000), 0.15, rtol=1e-6)
 
 
 def test_fixed_kl_controller_and_validation():
-  cfg = kl_lib.KLControllerConfig(kind="fixed", init_kl_coef=0.05)
-  coef = kl_lib.kl_init(cfg)
-  for k in [0.0, 3.0, 50.0]:
-    coef = jax.jit(lambda c, k: kl_lib.kl_update(cfg, c, k, 512))(coef, k)
-  np.testing.assert_allclose(float(coef), 0.05, rtol=1e-7)
-  with pytest.raises(ValueError):
-    kl_lib.KLControllerConfig(kind="linear")
+    cfg = kl_lib.KLControllerConfig(kind="fixed", init_kl_coef=0.05)
+    coef = kl_lib.kl_init(cfg)
+    for k in [0.0, 3.0, 50.0]:
+        coef = jax.jit(lambda c, k: kl_lib.kl_update(cfg, c, k, 512))(coef, k)
+    np.testing.assert_allclose(float(coef), 0.05, rtol=1e-7)
+    with pytest.raises(ValueError):
+        kl_lib.KLControllerConfig(kind="linear")
