@@ -187,7 +187,8 @@ def _remat(config, fn):
 
 
 def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key_mask):
-    """Token ids -> final hidden states [B, T, D] (after ln_f), and the new cache."""
+    """Token ids -> final hidden states [B, T, D] (after ln_f), the new cache, and the
+    token embedding table (reused by a tied LM head)."""
     c = config
     dtype = jnp.dtype(c.compute_dtype)
     with hk.name_scope("transformer"):
@@ -214,16 +215,18 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
             x, (ks, vs) = stack(_remat(c, layer))(x, cache.k, cache.v)
             new_cache = KVCache(ks, vs)
         x = _norm(c, x, "ln_f")
-    return x, new_cache
+    return x, new_cache, emb
 
 
-def _lm_head(config, hidden):
-    """Creates the head parameters (untied) and applies lm_head_logits."""
+def _lm_head(config, hidden, emb):
+    """Creates the head parameters (untied) and applies lm_head_logits.
+
+    emb: the token embedding table from `_trunk`, used by a tied head. (Re-entering
+    hk.name_scope("transformer") here would create a second, *separate*
+    `transformer_1/embed` parameter.)
+    """
     c = config
     if c.tie_word_embeddings:
-        with hk.name_scope("transformer"), hk.name_scope("embed"):
-            emb = _param("embeddings", [c.vocab_size, c.d_model],
-                         hk.initializers.RandomNormal(0.02))
         return lm_head_logits(c, {"transformer/embed": {"embeddings": emb}}, hidden)
     with hk.name_scope("lm_head"):
         head = {"w": _param("w", [c.d_model, c.vocab_size], hk.initializers.RandomNormal(0.02))}
@@ -235,9 +238,9 @@ def _lm_head(config, hidden):
 @functools.lru_cache(maxsize=None)
 def _transformed(config: ModelConfig):
     def forward(input_ids, attention_mask, positions, cache, cache_index, key_mask, with_head):
-        hidden, new_cache = _trunk(config, input_ids, attention_mask, positions, cache,
-                                   cache_index, key_mask)
-        logits = _lm_head(config, hidden) if with_head else None
+        hidden, new_cache, emb = _trunk(config, input_ids, attention_mask, positions, cache,
+                                        cache_index, key_mask)
+        logits = _lm_head(config, hidden, emb) if with_head else None
         return hidden, logits, new_cache
 
     return hk.without_apply_rng(hk.transform(forward))
@@ -254,7 +257,7 @@ def init_params(config: ModelConfig, key: jax.Array) -> hk.Params:
 
 def param_shapes(config: ModelConfig) -> hk.Params:
     """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating anything."""
-    return jax.eval_shape(init_params, config, jax.random.PRNGKey(0))
+    return jax.eval_shape(functools.partial(init_params, config), jax.random.PRNGKey(0))
 
 
 def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
