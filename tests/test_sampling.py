@@ -1,0 +1,351 @@
+"""KV-cache sampler: parity with transformers and with the uncached forward, sampling
+statistics, stop tokens, determinism, and equality on one device and on meshes."""
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import tiny_hf
+from pjit_ppo import sampling, sharding
+from pjit_ppo.models import load_pretrained, lm_logits
+from pjit_ppo.padding import truncate_after_stop
+
+PAD = tiny_hf.PAD_ID
+PROMPT_LENS = (7, 5, 1, 3, 6, 2, 7, 4)  # real tokens per row, left padded to 7
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family -> (transformers model, checkpoint dir, our config, our params)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            path = str(tmp_path_factory.mktemp(family))
+            model = tiny_hf.save_model(family, path)
+            config, params = load_pretrained(path)
+            cache[family] = (model, path, config, params)
+        return cache[family]
+
+    return get
+
+
+def _prompts(lens=PROMPT_LENS, seed=0):
+    """Left-padded prompts: int32 [B, max(lens)] ids and bool mask."""
+    rng = np.random.RandomState(seed)
+    width = max(lens)
+    ids = np.full((len(lens), width), PAD, np.int32)
+    mask = np.zeros((len(lens), width), bool)
+    for row, n in enumerate(lens):
+        ids[row, width - n:] = rng.randint(2, PAD, n)
+        mask[row, width - n:] = True
+    return ids, mask
+
+
+def _same_prompt(batch, seed=1):
+    ids, mask = _prompts((5,), seed)
+    return np.repeat(ids, batch, axis=0), np.repeat(mask, batch, axis=0)
+
+
+def _gen(config, params, ids, mask, key=0, **options):
+    fn = jax.jit(lambda p, i, m, k: sampling.generate(config, p, i, m, k, **options))
+    return jax.tree_util.tree_map(np.asarray, fn(params, jnp.asarray(ids), jnp.asarray(mask),
+                                                 jax.random.PRNGKey(key)))
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+# ------------------------------------------------------------------ parity
+@pytest.mark.parametrize("family", tiny_hf.FAMILIES)
+def test_greedy_matches_transformers(tiny, family):
+    """Greedy tokens and every step's logits equal HF generate on left-padded prompts.
+
+    HF builds position ids from the attention mask (cumsum - 1) in generate for
+    all four families, which is what we do, so padding does not shift positions.
+    """
+    model, _, config, params = tiny(family)
+    ids, mask = _prompts()
+    n_new = 10
+    tokens, logprobs, logits = _gen(config, params, ids, mask, max_new_tokens=n_new,
+                                    greedy=True, return_logits=True)
+    # With an EOS id, min_new_tokens makes HF mask EOS out of its argmax (a
+    # generation_config passed to generate gets None fields refilled from the
+    # model's). Without one HF neither masks nor stops: our default, where EOS is
+    # just another token.
+    saved_eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor(ids, dtype=torch.long),
+                                 attention_mask=torch.tensor(mask, dtype=torch.long),
+                                 do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
+                                 pad_token_id=PAD, output_logits=True,
+                                 return_dict_in_generate=True)
+    finally:
+        model.generation_config.eos_token_id = saved_eos
+    hf_tokens = out.sequences[:, ids.shape[1]:].numpy()
+    hf_logits = torch.stack(out.logits, dim=1).float().numpy()  # raw, before processors
+    np.testing.assert_array_equal(tokens, hf_tokens)
+    np.testing.assert_allclose(logits, hf_logits, atol=1e-4, rtol=1e-4)
+    # greedy logprobs are still log_softmax(logits / temperature) at the chosen token
+    expected = np.take_along_axis(_log_softmax(logits), tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(logprobs, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", tiny_hf.FAMILIES)
+def test_cached_logits_equal_full_forward(tiny, family):
+    """Per-step logits of the cached loop == one uncached forward over prompt + response."""
+    _, _, config, params = tiny(family)
+    ids, mask = _prompts()
+    n_new = 9
+    tokens, logprobs, logits = _gen(config, params, ids, mask, key=3, max_new_tokens=n_new,
+                                    temperature=0.9, return_logits=True)
+    full_ids = np.concatenate([ids, tokens], axis=1)
+    full_mask = np.concatenate([mask, np.ones_like(tokens, bool)], axis=1)
+    full = np.asarray(lm_logits(config, params, jnp.asarray(full_ids), jnp.asarray(full_mask)))
+    p = ids.shape[1]
+    np.testing.assert_allclose(logits, full[:, p - 1:p - 1 + n_new], atol=1e-4, rtol=0)
+    # returned logprobs: temperature-scaled, unfiltered
+    expected = np.take_along_axis(_log_softmax(full[:, p - 1:-1] / 0.9), tokens[..., None],
+                                  -1)[..., 0]
+    np.testing.assert_allclose(logprobs, expected, atol=1e-4)
+
+
+# ------------------------------------------------------------------ statistics
+def _chi2_threshold(df):
+    """Upper 0.999 quantile of chi-square(df) by the Wilson-Hilferty cube approximation.
+
+    (X/df)^(1/3) is close to normal with mean 1 - 2/(9 df) and variance 2/(9 df);
+    z_0.999 = 3.0902. The relative error of this quantile is below 1% for
+    df >= 3 (e.g. df=10: 29.53 vs the exact 29.59; df=50: 86.66 vs 86.66), and
+    we add 5% slack on top, so the test only fails on a real discrepancy.
+    """
+    z = 3.0902
+    a = 2.0 / (9.0 * df)
+    return 1.05 * df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def _chi2(counts, probs, min_expected=5.0):
+    """Pearson statistic and degrees of freedom, pooling bins with expected < 5."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= min_expected
+    obs = list(counts[big]) + [counts[~big].sum()]
+    exp = list(expected[big]) + [expected[~big].sum()]
+    if exp[-1] < min_expected:  # fold a small pooled bin into the largest one
+        i = int(np.argmax(exp[:-1]))
+        obs[i] += obs.pop()
+        exp[i] += exp.pop()
+    obs, exp = np.asarray(obs, float), np.asarray(exp, float)
+    return float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1.0), dict(temperature=0.7),
+                                     dict(temperature=1.3, top_k=12),
+                                     dict(temperature=1.3, top_p=0.7),
+                                     dict(temperature=1.3, top_k=20, top_p=0.8)],
+                         ids=["t1", "t0.7", "topk", "topp", "topk_topp"])
+def test_first_token_frequencies_match_softmax(tiny, options):
+    """20000 draws of the first new token follow softmax(filtered logits / T) (chi-square)."""
+    _, _, config, params = tiny("gpt_neox")
+    n = 20000
+    ids, mask = _same_prompt(n)
+    tokens, logprobs, logits = _gen(config, params, ids, mask, key=11, max_new_tokens=1,
+                                    return_logits=True, **options)
+    scaled = logits[0, 0].astype(np.float64) / options["temperature"]
+    keep = np.ones_like(scaled, bool)
+    order = np.argsort(-scaled, kind="stable")
+    if options.get("top_k"):
+        keep[order[options["top_k"]:]] = False
+    if options.get("top_p", 1.0) < 1.0:
+        kept = order[keep[order]]
+        p = np.exp(scaled[kept] - scaled[kept].max())
+        p /= p.sum()
+        before = np.cumsum(p) - p
+        keep[kept[before >= options["top_p"]]] = False
+    probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+    probs /= probs.sum()
+    counts = np.bincount(tokens[:, 0], minlength=config.vocab_size)
+    assert counts[~keep].sum() == 0, "sampled a token outside the top-k / nucleus set"
+    stat, df = _chi2(counts, probs)
+    assert df >= 3, f"distribution too peaked for a useful test (df={df})"
+    assert stat < _chi2_threshold(df), (stat, df)
+    # the logprob is of the unfiltered tempered distribution
+    np.testing.assert_allclose(logprobs[:, 0], _log_softmax(scaled)[tokens[:, 0]], atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [dict(top_k=5), dict(top_p=0.5), dict(top_k=8, top_p=0.6)])
+def test_filters_never_emit_outside_the_kept_set(tiny, options):
+    """At every step of a long sample, the token lies in that step's top-k / nucleus."""
+    _, _, config, params = tiny("llama")
+    ids, mask = _prompts()
+    ids, mask = np.tile(ids, (8, 1)), np.tile(mask, (8, 1))
+    tokens, _, logits = _gen(config, params, ids, mask, key=5, max_new_tokens=16,
+                             temperature=2.0, return_logits=True, **options)
+    scaled = logits / 2.0
+    keep = np.isfinite(np.asarray(sampling.filter_logits(
+        jnp.asarray(scaled.reshape(-1, scaled.shape[-1])), **options)))
+    picked_ok = np.take_along_axis(keep, tokens.reshape(-1, 1), -1)
+    assert picked_ok.all()
+    # and the filter itself agrees with a NumPy reference
+    flat = scaled.reshape(-1, scaled.shape[-1]).astype(np.float64)
+    for row in range(0, flat.shape[0], 37):
+        order = np.argsort(-flat[row], kind="stable")
+        ref = np.ones(flat.shape[1], bool)
+        if options.get("top_k"):
+            ref[order[options["top_k"]:]] = False
+        if options.get("top_p"):
+            kept = order[ref[order]]
+            p = np.exp(flat[row, kept] - flat[row, kept].max())
+            p /= p.sum()
+            ref[kept[(np.cumsum(p) - p) >= options["top_p"]]] = False
+        np.testing.assert_array_equal(keep[row], ref)
+    assert len(np.unique(tokens)) > 5  # it did sample
+
+
+def test_tiny_temperature_equals_greedy(tiny):
+    _, _, config, params = tiny("gpt2")
+    ids, mask = _prompts()
+    greedy = _gen(config, params, ids, mask, max_new_tokens=12, greedy=True)[0]
+    cold = _gen(config, params, ids, mask, key=9, max_new_tokens=12, temperature=1e-6)[0]
+    np.testing.assert_array_equal(cold, greedy)
+
+
+# ------------------------------------------------------------------ stop token
+def test_stop_token_pads_after_min_new_tokens(tiny):
+    _, _, config, params = tiny("gpt2")
+    ids, mask = _prompts()
+    ids, mask = np.tile(ids, (4, 1)), np.tile(mask, (4, 1))
+    n_new, min_new = 16, 4
+    options = dict(max_new_tokens=n_new, temperature=1.5)
+    raw, raw_lp = _gen(config, params, ids, mask, key=2, **options)
+    # the most frequent token makes a stop token that occurs both early and late
+    stop = int(np.bincount(raw.ravel()).argmax())
+    early = (raw[:, :min_new] == stop).any(axis=1)
+    late = (raw[:, min_new:] == stop).any(axis=1)
+    assert early.any() and late.any() and (~late).any(), "test needs all kinds of rows"
+    assert (early & late).any(), "need a row whose early stop token must not stop it"
+    tokens, logprobs = _gen(config, params, ids, mask, key=2, stop_token=stop,
+                            min_new_tokens=min_new, pad_token_id=PAD, **options)
+    # Until its stop token a row is the unstopped sample (same keys, same inputs);
+    # after it everything is pad with logprob 0: the reference truncation.
+    expected, found = truncate_after_stop(jnp.asarray(raw), stop, min_new, PAD)
+    np.testing.assert_array_equal(tokens, np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(found), late)
+    after = np.asarray(expected) != raw
+    np.testing.assert_array_equal(logprobs[after], 0.0)
+    np.testing.assert_allclose(logprobs[~after], raw_lp[~after], atol=1e-6)
+    # without min_new_tokens an early stop token stops the row
+    t0, _ = _gen(config, params, ids, mask, key=2, stop_token=stop, pad_token_id=PAD, **options)
+    np.testing.assert_array_equal(t0, np.asarray(truncate_after_stop(jnp.asarray(raw), stop, 0,
+                                                                     PAD)[0]))
+
+
+def test_default_ignores_eos(tiny):
+    """Without stop_token exactly max_new_tokens are sampled, EOS included."""
+    _, _, config, params = tiny("gpt2")
+    ids, mask = _prompts()
+    tokens, logprobs = _gen(config, params, ids, mask, key=4, max_new_tokens=20,
+                            temperature=3.0)
+    assert tokens.shape == (len(PROMPT_LENS), 20) and tokens.dtype == np.int32
+    assert logprobs.dtype == np.float32 and (logprobs < 0).all()
+
+
+def test_option_errors(tiny):
+    _, _, config, params = tiny("gpt2")
+    ids, mask = _prompts()
+    k = jax.random.PRNGKey(0)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        sampling.generate(config, params, ids, mask, k, max_new_tokens=3, stop_token=1)
+    with pytest.raises(ValueError, match="temperature"):
+        sampling.generate(config, params, ids, mask, k, max_new_tokens=3, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        sampling.generate(config, params, ids, mask, k, max_new_tokens=3, top_p=0.0)
+    with pytest.raises(ValueError, match="max_positions"):
+        sampling.generate(config, params, ids, mask, k, max_new_tokens=64)
+    with pytest.raises(ValueError, match="static"):
+        jax.jit(lambda t: sampling.generate(config, params, ids, mask, k, max_new_tokens=3,
+                                            temperature=t))(0.5)
+
+
+# ------------------------------------------------------------------ randomness
+def test_keys_and_rows(tiny):
+    _, _, config, params = tiny("llama")
+    ids, mask = _same_prompt(16)
+    a = _gen(config, params, ids, mask, key=1, max_new_tokens=12)
+    b = _gen(config, params, ids, mask, key=1, max_new_tokens=12)
+    c = _gen(config, params, ids, mask, key=2, max_new_tokens=12)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    assert (a[0] != c[0]).any()
+    # identical prompts in every row still give different samples
+    assert len({tuple(row) for row in a[0]}) == len(a[0])
+
+
+# ------------------------------------------------------------------ meshes
+MESHES = {"fsdp4_tensor2": dict(fsdp=4, tensor=2), "data8": dict(data=8, fsdp=1)}
+OPTIONS = dict(max_new_tokens=8, temperature=0.7, top_p=0.9)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_same_samples_on_one_device_and_on_a_mesh(tiny, family, mesh_name):
+    # Sharding-invariant random bits need the partitionable threefry (jax >= 0.5 default).
+    assert jax.config.jax_threefry_partitionable
+    _, path, config, params = tiny(family)
+    ids, mask = _prompts()
+    single = _gen(config, params, ids, mask, key=7, **OPTIONS)
+    mesh = sharding.make_mesh(**MESHES[mesh_name])
+    _, sharded = load_pretrained(path, mesh=mesh)
+    fn = sampling.make_generate_fn(config, mesh, **OPTIONS)
+    tokens, logprobs = fn(sharded, jnp.asarray(ids), jnp.asarray(mask), jax.random.PRNGKey(7))
+    assert tokens.sharding.spec == sharding.batch_sharding(mesh).spec
+    np.testing.assert_array_equal(np.asarray(tokens), single[0])
+    np.testing.assert_allclose(np.asarray(logprobs), single[1], atol=1e-5)
+
+    # traced inside a larger jit (as in the rollout), with the cache constraints on
+    @jax.jit
+    def rollout(p, i, m, k):
+        t, lp = sampling.generate(config, p, i, m, k, mesh=mesh, **OPTIONS)
+        return t, lp.sum(axis=1)
+
+    batch = jax.device_put(jnp.asarray(ids), sharding.batch_sharding(mesh))
+    bmask = jax.device_put(jnp.asarray(mask), sharding.batch_sharding(mesh))
+    t2, total = rollout(sharded, batch, bmask, jax.random.PRNGKey(7))
+    np.testing.assert_array_equal(np.asarray(t2), single[0])
+    np.testing.assert_allclose(np.asarray(total), single[1].sum(1), atol=1e-4)
+
+
+def test_cache_is_sharded_on_the_mesh(tiny):
+    """The compiled sampler keeps the KV cache batch-sharded and kv-head-sharded."""
+    _, path, config, _ = tiny("llama")
+    mesh = sharding.make_mesh(fsdp=4, tensor=2)
+    _, sharded = load_pretrained(path, mesh=mesh)
+    ids, mask = _prompts()
+    fn = sampling.make_generate_fn(config, mesh, max_new_tokens=3)
+    compiled = fn.lower(sharded, jnp.asarray(ids), jnp.asarray(mask),
+                        jax.random.PRNGKey(0)).compile().as_text()
+    # cache [layers, batch, length, kv_heads, head_dim] = [2, 8, 10, 2, 8]; batch over
+    # fsdp (4) and kv heads over tensor (2) leave [2, 2, 10, 1, 8] per device. (Without
+    # the constraint XLA keeps the batch whole: [2, 8, 10, 1, 8].)
+    cache_shapes = set(re.findall(r"f32\[2,\d+,10,\d+,8\]", compiled))
+    assert cache_shapes == {"f32[2,2,10,1,8]"}, cache_shapes
+
+
+def test_head_only_on_the_last_prompt_position(tiny):
+    """The compiled sampler never materialises [B, P, V] logits, only [B, V] per step."""
+    _, _, config, params = tiny("gpt2")
+    ids, mask = _prompts()
+    fn = sampling.make_generate_fn(config, max_new_tokens=4)
+    compiled = fn.lower(params, jnp.asarray(ids), jnp.asarray(mask),
+                        jax.random.PRNGKey(0)).compile().as_text()
+    b, p, v = ids.shape + (config.vocab_size,)
+    assert f"f32[{b},{p},{v}]" not in compiled and f"f32[{b},{p + 4},{v}]" not in compiled
+    assert f"f32[{b},{v}]" in compiled
