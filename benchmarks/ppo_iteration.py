@@ -34,6 +34,7 @@ def make_config(args):
                           **PRESETS[args.preset])
     c.model.compute_dtype = args.dtype
     c.model.remat_policy = args.remat_policy
+    c.model.scan_unroll = args.scan_unroll
     c.reward.kind = "model"
     c.ppo = common.ppo_defaults(
         query_length=64, response_length=24, batch_size=args.batch_size, nminibatches=1,
@@ -50,6 +51,7 @@ def main():
     p.add_argument("--grad_accum", type=int, default=1)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--remat_policy", default="none")
+    p.add_argument("--scan_unroll", type=int, default=1)
     p.add_argument("--iterations", type=int, default=5, help="timed iterations after warm-up")
     args = p.parse_args()
 
@@ -75,7 +77,7 @@ def main():
     it_s = med("time/iteration_s")
     print(f"shape: preset={args.preset} batch={args.batch_size} query=64 response=24 "
           f"epochs=4 minibatches=1 grad_accum={args.grad_accum} dtype={args.dtype} "
-          f"remat={args.remat_policy} devices={jax.device_count()} "
+          f"remat={args.remat_policy} unroll={args.scan_unroll} devices={jax.device_count()} "
           f"({jax.devices()[0].platform})")
     print(f"build_s: {build_s:.1f}  first_iteration_s (incl. compile): {warm_s:.1f}")
     print("iteration_s (all): " + ", ".join(f"{r['time/iteration_s']:.2f}" for r in rows))

@@ -28,6 +28,7 @@ def base_config() -> ml_collections.ConfigDict:
         policy_path="",              # HF directory; "" = random init from model.random
         compute_dtype="float32",     # activations/matmuls; bf16 on accelerators
         remat_policy="none",         # "none", "full", or a jax.checkpoint_policies name
+        scan_unroll=1,               # layers per scan step (n_layers = unrolled)
         random=ml_collections.ConfigDict()))
     c.reward = ml_collections.ConfigDict(dict(
         kind="target_tokens",        # "model" (reward model) or "target_tokens" (demo)

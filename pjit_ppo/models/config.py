@@ -53,6 +53,8 @@ class ModelConfig:
         parameters are kept as they are passed in (fp32 for trainable models).
       remat_policy: "none" (store activations), "full" (recompute each layer), or
         the name of a `jax.checkpoint_policies` entry such as "dots_saveable".
+      scan_unroll: layers per iteration of the layer scan (n_layers = fully unrolled:
+        longer compiles, sometimes faster steps on CPU).
       hf_config: the original config.json dict, kept for export.
     """
 
@@ -85,6 +87,7 @@ class ModelConfig:
     eos_token_id: Optional[int] = None
     compute_dtype: str = "float32"
     remat_policy: str = "none"
+    scan_unroll: int = 1
     hf_config: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self):

@@ -205,13 +205,15 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
         if cache is None:
             def layer(x):
                 return _block(c, x, positions, key_mask, None, 0)[0]
-            x = hk.layer_stack(c.n_layers, name="layers")(_remat(c, layer))(x)
+            stack = hk.layer_stack(c.n_layers, unroll=c.scan_unroll, name="layers")
+            x = stack(_remat(c, layer))(x)
             new_cache = None
         else:
             def layer(x, ck, cv):
                 x, (ck, cv) = _block(c, x, positions, key_mask, (ck, cv), cache_index)
                 return x, (ck, cv)
-            stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True, name="layers")
+            stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True,
+                                   unroll=c.scan_unroll, name="layers")
             x, (ks, vs) = stack(_remat(c, layer))(x, cache.k, cache.v)
             new_cache = KVCache(ks, vs)
         x = _norm(c, x, "ln_f")

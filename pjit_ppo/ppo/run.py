@@ -24,7 +24,8 @@ CONSOLE_KEYS = ("objective/scores", "objective/kl", "objective/kl_coef", "ppo/lo
 
 def _load_lm(model_cfg: ml_collections.ConfigDict, path: str, mesh, seed: int):
     """(ModelConfig, fp32 params sharded on mesh) from an HF dir, or random from model.random."""
-    overrides = dict(compute_dtype=model_cfg.compute_dtype, remat_policy=model_cfg.remat_policy)
+    overrides = dict(compute_dtype=model_cfg.compute_dtype, remat_policy=model_cfg.remat_policy,
+                     scan_unroll=model_cfg.scan_unroll)
     if path:
         return load_pretrained(path, mesh=mesh, dtype="float32", config_overrides=overrides)
     config = ModelConfig.from_hf_dict(dict(model_cfg.random), **overrides)
