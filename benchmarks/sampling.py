@@ -50,6 +50,8 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--torch_threads", type=int, default=0,
                         help="torch intra-op threads (0 = the CPU cores this process may use)")
+    parser.add_argument("--scan_unroll", type=int, default=1,
+                        help="layers per scan step in our decoder (layers = unrolled)")
     parser.add_argument("--skip_hf", action="store_true", help="time only our sampler")
     args = parser.parse_args(argv)
 
@@ -74,7 +76,8 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        config, params = load_pretrained(tmp)
+        config, params = load_pretrained(
+            tmp, config_overrides=dict(scan_unroll=args.scan_unroll))
 
     rng = np.random.RandomState(0)
     ids = rng.randint(2, pad_id, (args.batch, args.prompt)).astype(np.int32)

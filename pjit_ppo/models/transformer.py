@@ -111,12 +111,26 @@ def _rotary(config: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Arra
     return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
 
 
-def _attention(config, x, positions, key_mask, cache_kv, cache_index):
+def _attention_bias(key_mask, t, cache_index):
+    """Additive attention bias, float32 [B, 1, 1, T, S]: 0 where query t may see slot s
+    (causal and a real key), a large negative value elsewhere.
+
+    Computed once per forward and shared by all layers (cheaper than a select in
+    every layer, and its gradient is trivial).
+    """
+    s = key_mask.shape[-1]
+    query_slot = cache_index + jnp.arange(t)
+    causal = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
+    allowed = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
+    return jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]
+
+
+def _attention(config, x, positions, bias, cache_kv, cache_index):
     """Causal self-attention over the cache slots (or over x itself without cache).
 
-    x: [B, T, D]; positions int [B, T]; key_mask bool [B, S] over all key slots;
-    cache_kv: None or (k, v) [B, S, KV, hd]; cache_index: int scalar, slot of x[:, 0].
-    Returns y [B, T, D] and the updated (k, v) or None.
+    x: [B, T, D]; positions int [B, T]; bias float32 [B, 1, 1, T, S] from
+    `_attention_bias`; cache_kv: None or (k, v) [B, S, KV, hd]; cache_index: int
+    scalar, slot of x[:, 0]. Returns y [B, T, D] and the updated (k, v) or None.
     """
     c, dtype = config, x.dtype
     h, kv, hd = c.n_heads, c.n_kv_heads, c.head_dim
@@ -134,14 +148,9 @@ def _attention(config, x, positions, key_mask, cache_kv, cache_index):
         else:
             new_cache = None
         b, t = x.shape[:2]
-        s = k.shape[1]
-        qg = q.reshape(b, t, kv, h // kv, hd)
+        qg = (q * jnp.asarray(hd ** -0.5, dtype)).reshape(b, t, kv, h // kv, hd)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(dtype),
-                            preferred_element_type=jnp.float32) * (hd ** -0.5)
-        query_slot = cache_index + jnp.arange(t)
-        causal = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
-        allowed = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
-        scores = jnp.where(allowed[:, None, None], scores, _MASK_VALUE)
+                            preferred_element_type=jnp.float32) + bias
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype)).reshape(b, t, h, hd)
         y = _dense(out, "o", [h, hd], [c.d_model], c.attn_out_bias, dtype, contract=2)
@@ -160,15 +169,15 @@ def _mlp(config, x):
         return _dense(hidden, "fc_out", [c.d_ff], [c.d_model], c.mlp_bias, dtype)
 
 
-def _block(config, x, positions, key_mask, cache_kv, cache_index):
+def _block(config, x, positions, bias, cache_kv, cache_index):
     """One decoder layer; returns (x, updated cache (k, v) or None)."""
     c = config
     if c.parallel_residual:
         h1 = _norm(c, x, "ln_1")
         h2 = h1 if c.shared_parallel_norm else _norm(c, x, "ln_2")
-        attn, new_cache = _attention(c, h1, positions, key_mask, cache_kv, cache_index)
+        attn, new_cache = _attention(c, h1, positions, bias, cache_kv, cache_index)
         return x + attn + _mlp(c, h2), new_cache
-    attn, new_cache = _attention(c, _norm(c, x, "ln_1"), positions, key_mask, cache_kv,
+    attn, new_cache = _attention(c, _norm(c, x, "ln_1"), positions, bias, cache_kv,
                                  cache_index)
     x = x + attn
     return x + _mlp(c, _norm(c, x, "ln_2")), new_cache
@@ -202,15 +211,16 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
                              hk.initializers.RandomNormal(0.01))
             x = x + jnp.take(pos, positions, axis=0).astype(dtype)
 
+        bias = _attention_bias(key_mask, input_ids.shape[1], cache_index)
         if cache is None:
             def layer(x):
-                return _block(c, x, positions, key_mask, None, 0)[0]
+                return _block(c, x, positions, bias, None, 0)[0]
             stack = hk.layer_stack(c.n_layers, unroll=c.scan_unroll, name="layers")
             x = stack(_remat(c, layer))(x)
             new_cache = None
         else:
             def layer(x, ck, cv):
-                x, (ck, cv) = _block(c, x, positions, key_mask, (ck, cv), cache_index)
+                x, (ck, cv) = _block(c, x, positions, bias, (ck, cv), cache_index)
                 return x, (ck, cv)
             stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True,
                                    unroll=c.scan_unroll, name="layers")
