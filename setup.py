@@ -23,6 +23,7 @@ setuptools.setup(
         "absl-py>=2.5,<3",
         "ml-collections==1.1.0",
         "numpy>=1.26",
+        "ml_dtypes>=0.4",
         "safetensors>=0.4",
         "tokenizers>=0.20",
         "tensorboardX>=2.6",

@@ -54,8 +54,8 @@ __all__ = [
     "penalize_missing_stop", "position_ids_from_mask", "right_to_left_padding", "truncate_after_stop",
 ]
 
-# Logical axes of the KV cache [n_layers, batch, max_len, n_kv_heads, head_dim].
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+# Logical axes of the KV cache [n_layers, batch, n_kv_heads, max_len, head_dim].
+CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)

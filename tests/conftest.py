@@ -5,3 +5,23 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """variant name (tiny_hf.VARIANTS) -> (checkpoint dir, transformers model), made once
+    per test module."""
+    import tiny_hf
+    cache = {}
+
+    def get(variant):
+        if variant not in cache:
+            family, overrides = tiny_hf.VARIANTS[variant]
+            path = str(tmp_path_factory.mktemp(variant))
+            cache[variant] = (path, tiny_hf.save_model(family, path, **overrides))
+        return cache[variant]
+
+    return get

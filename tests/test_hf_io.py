@@ -23,29 +23,7 @@ from pjit_ppo.models import ModelConfigError, load_pretrained, save_pretrained
 from pjit_ppo.models.safetensors_io import (INDEX_FILE, SINGLE_FILE, CheckpointError,
                                             read_header, write_safetensors)
 
-VARIANTS = {
-    "gpt2": ("gpt2", {}),
-    "gptj": ("gptj", {}),
-    "gpt_neox": ("gpt_neox", {}),
-    "llama": ("llama", {}),
-    "gpt_neox_sequential": ("gpt_neox", {"use_parallel_residual": False}),
-    "llama_tied": ("llama", {"tie_word_embeddings": True}),
-}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """variant -> (checkpoint dir, transformers model); each made once per module."""
-    cache = {}
-
-    def get(variant):
-        if variant not in cache:
-            family, overrides = VARIANTS[variant]
-            path = str(tmp_path_factory.mktemp(variant))
-            cache[variant] = (path, tiny_hf.save_model(family, path, **overrides))
-        return cache[variant]
-
-    return get
+VARIANTS = tiny_hf.VARIANTS
 
 
 def _mesh():

@@ -17,31 +17,8 @@ from pjit_ppo.models import (forward, init_kv_cache, lm_logits, load_pretrained,
                              position_ids_from_mask)
 
 # variant -> (family, HF config overrides)
-VARIANTS = {
-    "gpt2": ("gpt2", {}),
-    "gptj": ("gptj", {}),
-    "gpt_neox": ("gpt_neox", {}),
-    "llama": ("llama", {}),
-    "gpt_neox_sequential": ("gpt_neox", {"use_parallel_residual": False}),
-    "llama_tied": ("llama", {"tie_word_embeddings": True}),
-    "llama_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
-}
+VARIANTS = tiny_hf.VARIANTS
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """variant -> (checkpoint dir, transformers model); each made once per module."""
-    cache = {}
-
-    def get(variant):
-        if variant not in cache:
-            family, overrides = VARIANTS[variant]
-            path = str(tmp_path_factory.mktemp(variant))
-            cache[variant] = (path, tiny_hf.save_model(family, path, **overrides))
-        return cache[variant]
-
-    return get
 
 
 def _batch(padded, batch=3, length=8, seed=0):

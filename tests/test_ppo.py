@@ -81,8 +81,11 @@ def test_one_device_and_mesh_give_same_metrics():
         assert a.keys() == b.keys()
         for k in a:
             # Sampling is identical (same keys, partitionable threefry); sums over a
-            # different device split differ by float32 rounding only.
-            np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=2e-5, err_msg=k)
+            # different device split differ by float32 rounding only. Clip fractions
+            # count tokens on either side of a threshold, so rounding may move a
+            # token across it (one token moves the average by 1/256 here): allow a few.
+            atol = 4 / 256 if "clipfrac" in k else 2e-5
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=atol, err_msg=k)
     p1 = jax.device_get(s1.params["policy"]["transformer/layers/attn/q"]["w"])
     p8 = jax.device_get(s8.params["policy"]["transformer/layers/attn/q"]["w"])
     np.testing.assert_allclose(p1, p8, rtol=1e-4, atol=1e-5)

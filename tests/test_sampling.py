@@ -332,11 +332,11 @@ def test_cache_is_sharded_on_the_mesh(tiny):
     fn = sampling.make_generate_fn(config, mesh, max_new_tokens=3)
     compiled = fn.lower(sharded, jnp.asarray(ids), jnp.asarray(mask),
                         jax.random.PRNGKey(0)).compile().as_text()
-    # cache [layers, batch, length, kv_heads, head_dim] = [2, 8, 10, 2, 8]; batch over
-    # fsdp (4) and kv heads over tensor (2) leave [2, 2, 10, 1, 8] per device. (Without
-    # the constraint XLA keeps the batch whole: [2, 8, 10, 1, 8].)
-    cache_shapes = set(re.findall(r"f32\[2,\d+,10,\d+,8\]", compiled))
-    assert cache_shapes == {"f32[2,2,10,1,8]"}, cache_shapes
+    # cache [layers, batch, kv_heads, length, head_dim] = [2, 8, 2, 10, 8]; batch over
+    # fsdp (4) and kv heads over tensor (2) leave [2, 2, 1, 10, 8] per device. (Without
+    # the constraint XLA keeps the batch whole: [2, 8, 1, 10, 8].)
+    cache_shapes = set(re.findall(r"f32\[2,\d+,\d+,10,8\]", compiled))
+    assert cache_shapes == {"f32[2,2,1,10,8]"}, cache_shapes
 
 
 def test_head_only_on_the_last_prompt_position(tiny):

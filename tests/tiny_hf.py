@@ -6,6 +6,16 @@ import torch
 import transformers
 
 FAMILIES = ("gpt2", "gptj", "gpt_neox", "llama")
+# Named test variants: name -> (family, config overrides).
+VARIANTS = {
+    "gpt2": ("gpt2", {}),
+    "gptj": ("gptj", {}),
+    "gpt_neox": ("gpt_neox", {}),
+    "llama": ("llama", {}),
+    "gpt_neox_sequential": ("gpt_neox", {"use_parallel_residual": False}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "llama_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+}
 VOCAB = 96
 PAD_ID = VOCAB - 1
 

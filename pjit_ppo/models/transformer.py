@@ -37,7 +37,10 @@ _MASK_VALUE = -1e30
 
 
 class KVCache(NamedTuple):
-    """Per-layer keys and values: k, v [n_layers, batch, max_len, n_kv_heads, head_dim]."""
+    """Per-layer keys and values: k, v [n_layers, batch, n_kv_heads, max_len, head_dim].
+
+    Heads before length, so attention reads the cache without a transpose.
+    """
     k: jax.Array
     v: jax.Array
 
@@ -45,7 +48,7 @@ class KVCache(NamedTuple):
 def init_kv_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An all-zero cache for `batch` rows of up to `max_len` tokens (compute dtype)."""
     dtype = dtype or config.compute_dtype
-    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -111,50 +114,68 @@ def _rotary(config: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Arra
     return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
 
 
-def _attention_bias(key_mask, t, cache_index):
-    """Additive attention bias, float32 [B, 1, 1, T, S]: 0 where query t may see slot s
-    (causal and a real key), a large negative value elsewhere.
+def _attention_bias(allowed: jax.Array) -> jax.Array:
+    """bool [B, T, S] -> additive float32 bias [B, 1, 1, T, S] (0 or a large negative).
 
-    Computed once per forward and shared by all layers (cheaper than a select in
-    every layer, and its gradient is trivial).
+    Built once per forward and shared by all layers: cheaper than a select in
+    every layer, and its gradient is trivial.
     """
-    s = key_mask.shape[-1]
-    query_slot = cache_index + jnp.arange(t)
-    causal = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
-    allowed = causal[None] & key_mask[:, None, :].astype(bool)  # [B, T, S]
     return jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]
 
 
-def _attention(config, x, positions, bias, cache_kv, cache_index):
-    """Causal self-attention over the cache slots (or over x itself without cache).
+def _attention_biases(attention_mask, key_mask, cache_index, with_cache):
+    """(bias over the new tokens [B,1,1,T,T], bias over the cache slots [B,1,1,T,S] or None).
 
-    x: [B, T, D]; positions int [B, T]; bias float32 [B, 1, 1, T, S] from
-    `_attention_bias`; cache_kv: None or (k, v) [B, S, KV, hd]; cache_index: int
-    scalar, slot of x[:, 0]. Returns y [B, T, D] and the updated (k, v) or None.
+    New tokens see earlier new tokens (causal) that are real; with a cache they
+    also see every real slot before cache_index (the slots being written now are
+    handled by the new-token part, so stale cache contents are never read).
+    """
+    t = attention_mask.shape[1]
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    new = _attention_bias(causal[None] & attention_mask[:, None, :].astype(bool))
+    if not with_cache:
+        return new, None
+    s = key_mask.shape[1]
+    before = (jnp.arange(s) < cache_index)[None, :] & key_mask.astype(bool)  # [B, S]
+    return new, _attention_bias(jnp.broadcast_to(before[:, None, :], (before.shape[0], t, s)))
+
+
+def _attention(config, x, positions, biases, cache_kv):
+    """Causal self-attention of the new tokens x over themselves and the cache.
+
+    x: [B, T, D]; positions int [B, T]; biases from `_attention_biases`;
+    cache_kv: None or (k, v) [B, KV, S, hd], read only.
+    Returns y [B, T, D] and the new tokens' (k, v) [B, T, KV, hd] (the caller writes
+    them into the cache once for all layers, instead of copying the cache per layer).
     """
     c, dtype = config, x.dtype
     h, kv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    bias_new, bias_cache = biases
     with hk.name_scope("attn"):
         q = _dense(x, "q", [c.d_model], [h, hd], c.qkv_bias, dtype)
         k = _dense(x, "k", [c.d_model], [kv, hd], c.qkv_bias, dtype)
         v = _dense(x, "v", [c.d_model], [kv, hd], c.qkv_bias, dtype)
         if c.position == "rotary":
             q, k = _rotary(c, q, positions), _rotary(c, k, positions)
-        if cache_kv is not None:
-            ck, cv = cache_kv
-            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
-            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
-            new_cache = (k, v)
-        else:
-            new_cache = None
         b, t = x.shape[:2]
         qg = (q * jnp.asarray(hd ** -0.5, dtype)).reshape(b, t, kv, h // kv, hd)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(dtype),
-                            preferred_element_type=jnp.float32) + bias
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype)).reshape(b, t, h, hd)
-        y = _dense(out, "o", [h, hd], [c.d_model], c.attn_out_bias, dtype, contract=2)
-    return y, new_cache
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
+                            preferred_element_type=jnp.float32) + bias_new
+        if cache_kv is None:
+            probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+            out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        else:
+            ck, cv = cache_kv
+            cached = jnp.einsum("btkgd,bksd->bkgts", qg, ck.astype(dtype),
+                                preferred_element_type=jnp.float32) + bias_cache
+            probs = jax.nn.softmax(jnp.concatenate([cached, scores], axis=-1),
+                                   axis=-1).astype(dtype)
+            s = ck.shape[2]
+            out = (jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], cv.astype(dtype))
+                   + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v))
+        y = _dense(out.reshape(b, t, h, hd), "o", [h, hd], [c.d_model], c.attn_out_bias,
+                   dtype, contract=2)
+    return y, (k, v)
 
 
 def _mlp(config, x):
@@ -169,18 +190,17 @@ def _mlp(config, x):
         return _dense(hidden, "fc_out", [c.d_ff], [c.d_model], c.mlp_bias, dtype)
 
 
-def _block(config, x, positions, bias, cache_kv, cache_index):
-    """One decoder layer; returns (x, updated cache (k, v) or None)."""
+def _block(config, x, positions, biases, cache_kv):
+    """One decoder layer; returns (x, the new tokens' (k, v))."""
     c = config
     if c.parallel_residual:
         h1 = _norm(c, x, "ln_1")
         h2 = h1 if c.shared_parallel_norm else _norm(c, x, "ln_2")
-        attn, new_cache = _attention(c, h1, positions, bias, cache_kv, cache_index)
-        return x + attn + _mlp(c, h2), new_cache
-    attn, new_cache = _attention(c, _norm(c, x, "ln_1"), positions, bias, cache_kv,
-                                 cache_index)
+        attn, new_kv = _attention(c, h1, positions, biases, cache_kv)
+        return x + attn + _mlp(c, h2), new_kv
+    attn, new_kv = _attention(c, _norm(c, x, "ln_1"), positions, biases, cache_kv)
     x = x + attn
-    return x + _mlp(c, _norm(c, x, "ln_2")), new_cache
+    return x + _mlp(c, _norm(c, x, "ln_2")), new_kv
 
 
 def _remat(config, fn):
@@ -211,21 +231,26 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
                              hk.initializers.RandomNormal(0.01))
             x = x + jnp.take(pos, positions, axis=0).astype(dtype)
 
-        bias = _attention_bias(key_mask, input_ids.shape[1], cache_index)
+        biases = _attention_biases(attention_mask, key_mask, cache_index, cache is not None)
         if cache is None:
             def layer(x):
-                return _block(c, x, positions, bias, None, 0)[0]
+                return _block(c, x, positions, biases, None)[0]
             stack = hk.layer_stack(c.n_layers, unroll=c.scan_unroll, name="layers")
             x = stack(_remat(c, layer))(x)
             new_cache = None
         else:
             def layer(x, ck, cv):
-                x, (ck, cv) = _block(c, x, positions, bias, (ck, cv), cache_index)
-                return x, (ck, cv)
+                return _block(c, x, positions, biases, (ck, cv))
             stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True,
                                    unroll=c.scan_unroll, name="layers")
             x, (ks, vs) = stack(_remat(c, layer))(x, cache.k, cache.v)
-            new_cache = KVCache(ks, vs)
+            # One in-place write of all layers' new entries (the cache is read-only above).
+            at = (0, 0, 0, cache_index, 0)
+
+            def write(buf, new):  # new: [L, B, T, KV, hd] -> slots cache_index.. of buf
+                return jax.lax.dynamic_update_slice(buf, jnp.swapaxes(new, 2, 3).astype(buf.dtype),
+                                                    at)
+            new_cache = KVCache(write(cache.k, ks), write(cache.v, vs))
         x = _norm(c, x, "ln_f")
     return x, new_cache, emb
 
