@@ -337,11 +337,16 @@ def hidden_states(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
                    with_head=False)[0]
 
 
-def lm_head_logits(config: ModelConfig, params: hk.Params, hidden: jax.Array) -> jax.Array:
-    """LM head on hidden states [B, T, D] -> float32 logits [B, T, V].
+def lm_head_logits(config: ModelConfig, params: hk.Params, hidden: jax.Array,
+                   scale: float = 1.0) -> jax.Array:
+    """LM head on hidden states [B, T, D] -> float32 logits [B, T, V], times `scale`.
 
-    Lets callers apply the head to only the positions they need (e.g. response tokens).
+    Lets callers apply the head to only the positions they need (e.g. response
+    tokens). `scale` (e.g. 1 / temperature) is applied to the hidden states and the
+    bias, which is exact and touches D instead of V values per position.
     """
+    if scale != 1.0:
+        hidden = hidden * jnp.asarray(scale, hidden.dtype)
     if config.tie_word_embeddings:
         w = params["transformer/embed"]["embeddings"]
         return jnp.einsum("btd,vd->btv", hidden, w.astype(hidden.dtype),
@@ -350,7 +355,7 @@ def lm_head_logits(config: ModelConfig, params: hk.Params, hidden: jax.Array) ->
     logits = jnp.einsum("btd,dv->btv", hidden, head["w"].astype(hidden.dtype),
                         preferred_element_type=jnp.float32)
     if config.lm_head_bias:
-        logits = logits + head["b"]
+        logits = logits + head["b"] * scale
     return logits
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from pjit_ppo.models import heads
 from pjit_ppo.models.config import ModelConfig
 from pjit_ppo.models.transformer import hidden_states, lm_head_logits
+from pjit_ppo.ppo.token_logprobs import token_logprobs_and_entropy
 
 
 def _sequence(query, query_mask, response, response_mask):
@@ -39,16 +40,9 @@ def logprobs_from_hidden(config: ModelConfig, params, hidden, response, temperat
     hidden: [B, R, D]; response: int32 [B, R]. Returns float32 logprobs [B, R] and,
     if with_entropy, the per-token entropy [B, R] of the same distribution.
     """
-    logits = lm_head_logits(config, params, hidden) / temperature
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, response[..., None], axis=-1)[..., 0]
-    logprobs = picked - logz
-    if with_entropy:
-        # A metric only: no gradient, and it reuses logz (one extra pass over the vocab).
-        logits_sg, logz_sg = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(logz)
-        probs = jnp.exp(logits_sg - logz_sg[..., None])
-        return logprobs, logz_sg - jnp.sum(probs * logits_sg, axis=-1)
-    return logprobs
+    logits = lm_head_logits(config, params, hidden, scale=1.0 / temperature)
+    logprobs, entropy = token_logprobs_and_entropy(logits, response)
+    return (logprobs, entropy) if with_entropy else logprobs
 
 
 def response_logprobs(config: ModelConfig, params, query, query_mask, response,
