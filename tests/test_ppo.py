@@ -197,3 +197,29 @@ def test_logprobs_and_entropy_from_hidden_match_softmax():
                                                         -1)[..., 0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ent, entropy_from_logits(jnp.asarray(logits, jnp.float32)),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_shared_trunk_trains_policy_and_value_head():
+    """ppo.shared_trunk: the value head sits on the policy trunk; no separate critic."""
+    cfg = _cfg(shared_trunk=True, critic_init="policy", recompute_rollout_logprobs=False)
+    mesh = sharding.make_mesh(fsdp=-1)
+    model = ModelConfig.from_hf_dict(TINY)
+    policy = sharding.init_sharded(functools.partial(init_params, model), mesh,
+                                   jax.random.PRNGKey(0))
+    frozen = {"ref": setup.make_reference(policy, model.compute_dtype), "reward": None}
+    models = PPOModels(policy=model, critic=None, reward_fn=target_token_reward((5,)))
+    trainer = PPOTrainer(cfg, models, mesh)
+    params = {"policy": policy, **jax.device_put(heads.init_value_head(model.d_model),
+                                                 sharding.replicated(mesh))}
+    state = trainer.init_state(params)
+    prompts = data.synthetic_prompts(mesh, batch_size=cfg.batch_size,
+                                     query_length=cfg.query_length, vocab_size=VOCAB - 1,
+                                     pad_id=PAD, seed=cfg.seed, min_length=2)
+    w0 = np.asarray(state.params["policy"]["transformer/layers/mlp/fc_in"]["w"])
+    q, m = prompts(0)
+    state, metrics = trainer.step(state, frozen, q, m, 0)
+    assert all(np.isfinite(v) for v in metrics.values())
+    assert np.abs(np.asarray(state.params["value_head"]["w"])).max() > 0  # was zero-init
+    assert not np.allclose(w0, state.params["policy"]["transformer/layers/mlp/fc_in"]["w"])
+    with pytest.raises(ValueError, match="shared_trunk"):
+        PPOTrainer(cfg, PPOModels(policy=model, critic=model, reward_fn=models.reward_fn), mesh)
