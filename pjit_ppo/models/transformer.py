@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pjit_ppo.models.config import ModelConfig
+from pjit_ppo.padding import position_ids_from_mask
 
 # A large finite negative instead of -inf, so a row whose keys are all masked
 # (a pad query) gives a uniform softmax rather than NaN.
@@ -50,12 +51,6 @@ def init_kv_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> 
     dtype = dtype or config.compute_dtype
     shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-
-def position_ids_from_mask(attention_mask: jax.Array) -> jax.Array:
-    """Exclusive cumulative sum of the mask: int32 [B, T]; first real token gets 0."""
-    m = attention_mask.astype(jnp.int32)
-    return jnp.cumsum(m, axis=-1) - m
 
 
 # ----------------------------------------------------------------- layers

@@ -47,7 +47,7 @@ def build(config: ml_collections.ConfigDict):
                                                   ppo_cfg.seed + 1)
         head = heads.init_reward_head(reward_model_cfg.d_model,
                                       jax.random.PRNGKey(config.reward.head_seed))
-        reward = setup.trunk_only(reward_trunk)
+        reward = setup.trunk_only(reward_trunk)  # fp32: also the critic's starting point
         reward.update(jax.device_put(head, sharding.replicated(mesh)))
         frozen["reward"] = setup.make_frozen(reward, reward_model_cfg.compute_dtype)
         reward_fn = model_reward_fn(reward_model_cfg)
@@ -66,10 +66,9 @@ def build(config: ml_collections.ConfigDict):
         if ppo_cfg.critic_init == "reward" and config.reward.kind != "model":
             raise ValueError("ppo.critic_init='reward' needs reward.kind='model'; use "
                              "ppo.critic_init='policy' with a synthetic reward")
-        source, critic_cfg = ((frozen["reward"], reward_model_cfg)
+        source, critic_cfg = ((reward, reward_model_cfg)
                               if ppo_cfg.critic_init == "reward" else (policy, policy_cfg))
         critic = setup.make_critic(source, critic_cfg.d_model, mesh)
-        critic = jax.tree_util.tree_map(lambda x: x.astype("float32"), critic)
         params = {"policy": policy, "critic": critic}
 
     models = PPOModels(policy=policy_cfg, critic=critic_cfg, reward_fn=reward_fn)
