@@ -337,7 +337,7 @@ _MEASURE = textwrap.dedent("""
 
 def _write_big_checkpoint(path):
     """Random fp32 weights in HF GPT-2 layout, written tensor by tensor (no torch)."""
-    from pjit_ppo.models import ModelConfig, param_shapes
+    from pjit_ppo.models import ModelConfig
     from pjit_ppo.models import hf_layout
     config = ModelConfig.from_hf_dict(_BIG)
     maps = hf_layout.tensor_maps(config)

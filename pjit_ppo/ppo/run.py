@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Dict, Tuple
+from typing import Any, Dict
 
 import jax
 import ml_collections

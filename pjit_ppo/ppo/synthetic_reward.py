@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 
 from pjit_ppo.ppo.rollout import RewardFn

@@ -13,8 +13,7 @@ from typing import Callable, Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import optax
-from absl import logging
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from pjit_ppo import flops as flops_lib
 from pjit_ppo import sharding
