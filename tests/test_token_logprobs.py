@@ -1,42 +1,79 @@
-"""The fused token log-prob / entropy against plain autodiff and numpy."""
+"""The fused LM head + token log-prob / entropy against plain autodiff and numpy."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from pjit_ppo.ppo.token_logprobs import token_logprobs_and_entropy
+from pjit_ppo.ppo.token_logprobs import head_token_logprobs
 
-
-def _reference(logits, tokens):
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+D, V = 16, 97
 
 
-def test_values_and_gradient_match_autodiff():
-    key = jax.random.PRNGKey(0)
-    logits = 3.0 * jax.random.normal(key, (4, 5, 97))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 5), 0, 97)
-    logp, ent = jax.jit(token_logprobs_and_entropy)(logits, tokens)
-    np.testing.assert_allclose(logp, _reference(logits, tokens), rtol=1e-5, atol=1e-5)
-    x = np.asarray(logits, np.float64)
-    p = np.exp(x - x.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    np.testing.assert_allclose(ent, -(p * np.log(p)).sum(-1), rtol=1e-5, atol=1e-5)
+def _inputs(vocab_major, with_bias, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 5)
+    hidden = jax.random.normal(k[0], (4, 5, D))
+    shape = (V, D) if vocab_major else (D, V)
+    weight = 0.7 * jax.random.normal(k[1], shape)
+    bias = jax.random.normal(k[2], (V,)) if with_bias else None
+    # Repeated tokens, so the scatter-adds of the weight gradient must accumulate.
+    tokens = jax.random.randint(k[3], (4, 5), 0, 7)
+    g = jax.random.normal(k[4], (4, 5))
+    return hidden, weight, bias, tokens, g
 
-    weights = jax.random.normal(jax.random.PRNGKey(2), (4, 5))
 
-    def ours(lg):
-        lp, e = token_logprobs_and_entropy(lg, tokens)
-        return jnp.sum(weights * lp) + 0.0 * jnp.sum(e)
+def _plain_logits(hidden, weight, bias, vocab_major):
+    w = weight.T if vocab_major else weight
+    logits = hidden @ w
+    return logits if bias is None else logits + bias
 
-    def plain(lg):
-        return jnp.sum(weights * _reference(lg, tokens))
 
-    np.testing.assert_allclose(jax.jit(jax.grad(ours))(logits), jax.grad(plain)(logits),
-                               rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("vocab_major,with_bias", [(True, False), (False, False), (False, True)])
+def test_values_match_numpy(vocab_major, with_bias):
+    hidden, weight, bias, tokens, _ = _inputs(vocab_major, with_bias)
+    logp, ent = jax.jit(head_token_logprobs, static_argnames="vocab_major")(
+        hidden, weight, bias, tokens, vocab_major=vocab_major)
+    x = np.asarray(_plain_logits(hidden, weight, bias, vocab_major), np.float64)
+    x = x - x.max(-1, keepdims=True)
+    logsm = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    np.testing.assert_allclose(logp, np.take_along_axis(logsm, np.asarray(tokens)[..., None],
+                                                        -1)[..., 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, -(np.exp(logsm) * logsm).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab_major,with_bias", [(True, False), (False, False), (False, True)])
+def test_gradients_match_autodiff(vocab_major, with_bias):
+    hidden, weight, bias, tokens, g = _inputs(vocab_major, with_bias, seed=1)
+
+    def ours(h, w, b):
+        lp, ent = head_token_logprobs(h, w, b, tokens, vocab_major=vocab_major)
+        return jnp.sum(g * lp) + 0.0 * jnp.sum(ent)
+
+    def plain(h, w, b):
+        logsm = jax.nn.log_softmax(_plain_logits(h, w, b, vocab_major), axis=-1)
+        return jnp.sum(g * jnp.take_along_axis(logsm, tokens[..., None], -1)[..., 0])
+
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+    got = jax.jit(jax.grad(ours, argnums=argnums))(hidden, weight, bias)
+    want = jax.grad(plain, argnums=argnums)(hidden, weight, bias)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_entropy_carries_no_gradient():
-    logits = jax.random.normal(jax.random.PRNGKey(0), (3, 11))
-    tokens = jnp.array([1, 2, 3])
-    g = jax.grad(lambda lg: jnp.sum(token_logprobs_and_entropy(lg, tokens)[1]))(logits)
+    hidden, weight, _, tokens, _ = _inputs(True, False)
+    g = jax.grad(lambda h: jnp.sum(head_token_logprobs(h, weight, None, tokens,
+                                                       vocab_major=True)[1]))(hidden)
     np.testing.assert_array_equal(g, np.zeros_like(g))
+
+
+def test_low_precision_hidden_keeps_float32_weight_gradient():
+    hidden, weight, _, tokens, g = _inputs(True, False, seed=2)
+
+    def loss(h, w):
+        return jnp.sum(g * head_token_logprobs(h, w, None, tokens, vocab_major=True)[0])
+
+    dh, dw = jax.grad(loss, argnums=(0, 1))(hidden.astype(jnp.bfloat16), weight)
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    want = jax.grad(loss, argnums=1)(hidden, weight)
+    np.testing.assert_allclose(dw, want, rtol=0.05, atol=0.02)

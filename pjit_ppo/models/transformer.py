@@ -354,6 +354,18 @@ def lm_head_logits(config: ModelConfig, params: hk.Params, hidden: jax.Array,
     return logits
 
 
+def lm_head_weights(config: ModelConfig, params: hk.Params):
+    """The LM head as (weight, bias, vocab_major), in the parameters' storage dtype.
+
+    weight is the tied embedding table [V, D] (vocab_major True) or the untied
+    `lm_head/w` [D, V] (vocab_major False); bias is `lm_head/b` [V] or None.
+    """
+    if config.tie_word_embeddings:
+        return params["transformer/embed"]["embeddings"], None, True
+    head = params["lm_head"]
+    return head["w"], head.get("b") if config.lm_head_bias else None, False
+
+
 def lm_logits(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
               attention_mask: jax.Array) -> jax.Array:
     """Next-token logits, float32 [batch, seq, vocab]. Jittable; works on sharded params."""

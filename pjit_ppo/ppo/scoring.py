@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from pjit_ppo.models import heads
 from pjit_ppo.models.config import ModelConfig
-from pjit_ppo.models.transformer import hidden_states, lm_head_logits
-from pjit_ppo.ppo.token_logprobs import token_logprobs_and_entropy
+from pjit_ppo.models.transformer import hidden_states, lm_head_weights
+from pjit_ppo.ppo.token_logprobs import head_token_logprobs
 
 
 def _sequence(query, query_mask, response, response_mask):
@@ -40,8 +40,15 @@ def logprobs_from_hidden(config: ModelConfig, params, hidden, response, temperat
     hidden: [B, R, D]; response: int32 [B, R]. Returns float32 logprobs [B, R] and,
     if with_entropy, the per-token entropy [B, R] of the same distribution.
     """
-    logits = lm_head_logits(config, params, hidden, scale=1.0 / temperature)
-    logprobs, entropy = token_logprobs_and_entropy(logits, response)
+    # 1/temperature scales the hidden states and the bias: exact, and D (not V)
+    # values per position.
+    scale = 1.0 / temperature
+    weight, bias, vocab_major = lm_head_weights(config, params)
+    hidden = hidden * jnp.asarray(scale, hidden.dtype)
+    if bias is not None:
+        bias = bias * scale
+    logprobs, entropy = head_token_logprobs(hidden, weight, bias, response,
+                                            vocab_major=vocab_major)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
