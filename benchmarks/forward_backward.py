@@ -15,6 +15,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pjit_ppo import host_malloc  # noqa: E402
+
+if __name__ == "__main__":  # before jax starts: see pjit_ppo/host_malloc.py
+    host_malloc.reexec_with_tuned_malloc()
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

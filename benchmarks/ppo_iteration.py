@@ -16,6 +16,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pjit_ppo import host_malloc  # noqa: E402
+
+if __name__ == "__main__":  # before jax starts: see pjit_ppo/host_malloc.py
+    host_malloc.reexec_with_tuned_malloc()
+
 import jax  # noqa: E402
 
 from configs import common  # noqa: E402
@@ -80,6 +85,7 @@ def main():
           f"epochs=4 minibatches=1 grad_accum={args.grad_accum} dtype={args.dtype} "
           f"remat={args.remat_policy} unroll={config.model.scan_unroll} devices={jax.device_count()} "
           f"({jax.devices()[0].platform})")
+    print(f"host malloc: {host_malloc.describe()}")
     print(f"build_s: {build_s:.1f}  first_iteration_s (incl. compile): {warm_s:.1f}")
     print("iteration_s (all): " + ", ".join(f"{r['time/iteration_s']:.2f}" for r in rows))
     print(f"median iteration_s: {it_s:.2f}  rollout_s: {rollout_s:.2f}  update_s: {update_s:.2f}")

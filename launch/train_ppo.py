@@ -8,6 +8,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pjit_ppo import host_malloc  # noqa: E402
+
+if __name__ == "__main__":  # before jax starts: see pjit_ppo/host_malloc.py
+    host_malloc.reexec_with_tuned_malloc()
+
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
