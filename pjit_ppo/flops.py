@@ -100,6 +100,16 @@ def transformer_flops_per_token(n_layers: int, d_model: int, n_heads: int,
     return float(total)
 
 
+def kv_projection_flops_per_token(d_model: int, head_dim: int, n_kv_heads: int) -> float:
+    """Key and value projection FLOPs of one token in one layer: 2 * d_model * 2 * kv.
+
+    The part of a layer a position still costs when it is only attended to (its
+    query, attention output and MLP are not computed), as in a last layer that
+    computes only some positions.
+    """
+    return float(2 * d_model * 2 * n_kv_heads * head_dim)
+
+
 def mfu(flops: float, seconds: float, peak: float) -> float:
     """Model FLOP utilisation: flops / seconds / peak (a fraction, not %).
 

@@ -2,7 +2,7 @@
 
 Parameter paths are a contract (partition rules, HF conversion and checkpoints
 all key on them); every layer parameter carries a leading `n_layers` axis
-because the blocks are stacked with `hk.layer_stack` and scanned:
+because the blocks are stacked (`_stacked_layers`) and scanned:
 
   transformer/embed         embeddings [vocab, d_model]
   transformer/pos_embed     embeddings [max_positions, d_model]      (learned positions)
@@ -135,24 +135,30 @@ def _attention_biases(attention_mask, key_mask, cache_index, with_cache):
     return new, _attention_bias(jnp.broadcast_to(before[:, None, :], (before.shape[0], t, s)))
 
 
-def _attention(config, x, positions, biases, cache_kv):
+def _attention(config, x, positions, biases, cache_kv, query=None):
     """Causal self-attention of the new tokens x over themselves and the cache.
 
     x: [B, T, D]; positions int [B, T]; biases from `_attention_biases`;
     cache_kv: None or (k, v) [B, KV, S, hd], read only.
-    Returns y [B, T, D] and the new tokens' (k, v) [B, T, KV, hd] (the caller writes
-    them into the cache once for all layers, instead of copying the cache per layer).
+    query: None, or a static (start, stop): only positions start..stop-1 are queries
+      (keys and values still come from all T positions). No cache then.
+    Returns y [B, T', D] (T' = T, or stop - start) and the new tokens' (k, v)
+    [B, T, KV, hd] (the caller writes them into the cache once for all layers,
+    instead of copying the cache per layer).
     """
     c, dtype = config, x.dtype
     h, kv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     bias_new, bias_cache = biases
+    start, stop = (0, x.shape[1]) if query is None else query
     with hk.name_scope("attn"):
-        q = _dense(x, "q", [c.d_model], [h, hd], c.qkv_bias, dtype)
+        q = _dense(x[:, start:stop], "q", [c.d_model], [h, hd], c.qkv_bias, dtype)
         k = _dense(x, "k", [c.d_model], [kv, hd], c.qkv_bias, dtype)
         v = _dense(x, "v", [c.d_model], [kv, hd], c.qkv_bias, dtype)
         if c.position == "rotary":
-            q, k = _rotary(c, q, positions), _rotary(c, k, positions)
-        b, t = x.shape[:2]
+            q, k = _rotary(c, q, positions[:, start:stop]), _rotary(c, k, positions)
+        if query is not None:
+            bias_new = bias_new[..., start:stop, :]
+        b, t = q.shape[:2]
         qg = (q * jnp.asarray(hd ** -0.5, dtype)).reshape(b, t, kv, h // kv, hd)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
                             preferred_element_type=jnp.float32) + bias_new
@@ -185,34 +191,88 @@ def _mlp(config, x):
         return _dense(hidden, "fc_out", [c.d_ff], [c.d_model], c.mlp_bias, dtype)
 
 
-def _block(config, x, positions, biases, cache_kv):
-    """One decoder layer; returns (x, the new tokens' (k, v))."""
+def _block(config, x, positions, biases, cache_kv, query=None):
+    """One decoder layer; returns (x, the new tokens' (k, v)).
+
+    With query=(start, stop) only those positions come out ([B, stop - start, D]):
+    the rest of the layer's output is not computed.
+    """
     c = config
+    start, stop = (0, x.shape[1]) if query is None else query
     if c.parallel_residual:
         h1 = _norm(c, x, "ln_1")
-        h2 = h1 if c.shared_parallel_norm else _norm(c, x, "ln_2")
-        attn, new_kv = _attention(c, h1, positions, biases, cache_kv)
-        return x + attn + _mlp(c, h2), new_kv
-    attn, new_kv = _attention(c, _norm(c, x, "ln_1"), positions, biases, cache_kv)
-    x = x + attn
+        h2 = h1[:, start:stop] if c.shared_parallel_norm else _norm(c, x[:, start:stop], "ln_2")
+        attn, new_kv = _attention(c, h1, positions, biases, cache_kv, query)
+        return x[:, start:stop] + attn + _mlp(c, h2), new_kv
+    attn, new_kv = _attention(c, _norm(c, x, "ln_1"), positions, biases, cache_kv, query)
+    x = x[:, start:stop] + attn
     return x + _mlp(c, _norm(c, x, "ln_2")), new_kv
 
 
-def _remat(config, fn):
+def _checkpointed(config, fn):
+    """fn under the config's remat policy (a pure function: params are arguments)."""
     policy = config.remat_policy
     if policy == "none":
         return fn
     if policy == "full":
-        return hk.remat(fn)
+        return jax.checkpoint(fn)
     if not hasattr(jax.checkpoint_policies, policy):
         raise ValueError(f"unknown remat_policy {policy!r}: use 'none', 'full' or a name in "
                          f"jax.checkpoint_policies")
-    return hk.remat(fn, policy=getattr(jax.checkpoint_policies, policy))
+    return jax.checkpoint(fn, policy=getattr(jax.checkpoint_policies, policy))
 
 
-def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key_mask):
+def _stacked_layers(config, block, x, per_layer, last_layer_query=None):
+    """Applies `block` to x once per layer, each layer with its own parameters.
+
+    block(x, *per_layer_inputs, query=None) -> (x, per_layer_output) is a Haiku
+    function; its parameters are created once per layer and stacked on a leading
+    n_layers axis under "layers" (the paths of the module docstring). Layers run as a
+    `lax.scan` (config.scan_unroll layers per step), each under the remat policy.
+
+    per_layer: a tuple of arrays with a leading n_layers axis, sliced per layer.
+    last_layer_query: None, or a static (start, stop) passed to the last layer only,
+      which then computes only those positions; the layers before it still compute
+      all of them (the last layer's keys and values need them).
+
+    Returns (x, stacked per-layer outputs); per-layer outputs are None with
+    last_layer_query.
+    """
+    c = config
+    layer = hk.transform(block)
+
+    def init_stacked(x, rng):
+        first = jax.tree.map(lambda a: a[0], per_layer)
+        keys = jax.random.split(rng, c.n_layers)
+        return jax.vmap(lambda key: layer.init(key, x, *first))(keys)
+
+    params = hk.lift(init_stacked, name="layers")(x, hk.maybe_next_rng_key())
+
+    def apply(p, x, *inputs, query=None):
+        return layer.apply(p, None, x, *inputs, query=query)
+
+    def step(x, scanned):
+        p, inputs = scanned
+        return _checkpointed(c, apply)(p, x, *inputs)
+
+    if last_layer_query is None:
+        return jax.lax.scan(step, x, (params, per_layer), length=c.n_layers,
+                            unroll=c.scan_unroll)
+    if per_layer:
+        raise ValueError("last_layer_query does not combine with per-layer inputs (a cache)")
+    head = jax.tree.map(lambda a: a[:-1], params)
+    x, _ = jax.lax.scan(step, x, (head, ()), length=c.n_layers - 1,
+                        unroll=max(1, min(c.scan_unroll, c.n_layers - 1)))
+    last = jax.tree.map(lambda a: a[-1], params)
+    x, _ = _checkpointed(c, functools.partial(apply, query=last_layer_query))(last, x)
+    return x, None
+
+
+def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key_mask,
+           output_slice=None):
     """Token ids -> final hidden states [B, T, D] (after ln_f), the new cache, and the
-    token embedding table (reused by a tied LM head)."""
+    token embedding table (reused by a tied LM head). With output_slice=(start, stop)
+    the hidden states are [B, stop - start, D] for those positions only."""
     c = config
     dtype = jnp.dtype(c.compute_dtype)
     with hk.name_scope("transformer"):
@@ -228,17 +288,17 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
 
         biases = _attention_biases(attention_mask, key_mask, cache_index, cache is not None)
         if cache is None:
-            def layer(x):
-                return _block(c, x, positions, biases, None)[0]
-            stack = hk.layer_stack(c.n_layers, unroll=c.scan_unroll, name="layers")
-            x = stack(_remat(c, layer))(x)
+            def layer(x, query=None):
+                return _block(c, x, positions, biases, None, query)[0], None
+            x, _ = _stacked_layers(c, layer, x, (), output_slice)
             new_cache = None
         else:
-            def layer(x, ck, cv):
+            if output_slice is not None:
+                raise ValueError("output_slice is for full forwards (no cache)")
+
+            def layer(x, ck, cv, query=None):
                 return _block(c, x, positions, biases, (ck, cv))
-            stack = hk.layer_stack(c.n_layers, with_per_layer_inputs=True,
-                                   unroll=c.scan_unroll, name="layers")
-            x, (ks, vs) = stack(_remat(c, layer))(x, cache.k, cache.v)
+            x, (ks, vs) = _stacked_layers(c, layer, x, (cache.k, cache.v))
             # One in-place write of all layers' new entries (the cache is read-only above).
             at = (0, 0, 0, cache_index, 0)
 
@@ -269,9 +329,10 @@ def _lm_head(config, hidden, emb):
 
 @functools.lru_cache(maxsize=None)
 def _transformed(config: ModelConfig):
-    def forward(input_ids, attention_mask, positions, cache, cache_index, key_mask, with_head):
+    def forward(input_ids, attention_mask, positions, cache, cache_index, key_mask, with_head,
+                output_slice=None):
         hidden, new_cache, emb = _trunk(config, input_ids, attention_mask, positions, cache,
-                                        cache_index, key_mask)
+                                        cache_index, key_mask, output_slice)
         logits = _lm_head(config, hidden, emb) if with_head else None
         return hidden, logits, new_cache
 
@@ -295,7 +356,8 @@ def param_shapes(config: ModelConfig) -> hk.Params:
 def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
             attention_mask: jax.Array, *, positions: Optional[jax.Array] = None,
             cache: Optional[KVCache] = None, cache_index=0,
-            cache_mask: Optional[jax.Array] = None, with_head: bool = True):
+            cache_mask: Optional[jax.Array] = None, with_head: bool = True,
+            output_slice: Optional[tuple[int, int]] = None):
     """The full model.
 
     Args:
@@ -308,11 +370,21 @@ def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
       cache_mask: bool [B, S] over all cache slots (which slots hold real tokens,
         including the ones being written). Required with a cache.
       with_head: compute the LM logits.
+      output_slice: None, or static ints (start, stop): return hidden states and
+        logits for positions start..stop-1 only. The last layer then computes only
+        those positions (its attention still reads keys and values of all T), which
+        is the same result for less work. Full forwards only (no cache).
 
     Returns:
-      (hidden float [B, T, D] in compute dtype, logits float32 [B, T, V] or None,
-       new cache or None).
+      (hidden float [B, T', D] in compute dtype, logits float32 [B, T', V] or None,
+       new cache or None), where T' = T, or stop - start with output_slice.
     """
+    if output_slice is not None:
+        start, stop = (int(i) for i in output_slice)
+        if not 0 <= start < stop <= input_ids.shape[1]:
+            raise ValueError(f"output_slice {output_slice} is not a non-empty range within "
+                             f"the {input_ids.shape[1]} input positions")
+        output_slice = (start, stop)
     if positions is None:
         positions = position_ids_from_mask(attention_mask)
     if cache is None:
@@ -322,14 +394,20 @@ def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
     else:
         key_mask = cache_mask
     return _transformed(config).apply(params, input_ids, attention_mask, positions, cache,
-                                      cache_index, key_mask.astype(bool), with_head)
+                                      cache_index, key_mask.astype(bool), with_head,
+                                      output_slice)
 
 
 def hidden_states(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
-                  attention_mask: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
-    """Final hidden states (after ln_f): compute dtype [B, T, D]."""
+                  attention_mask: jax.Array, positions: Optional[jax.Array] = None,
+                  output_slice: Optional[tuple[int, int]] = None) -> jax.Array:
+    """Final hidden states (after ln_f): compute dtype [B, T, D].
+
+    output_slice=(start, stop) returns [B, stop - start, D] for those positions and
+    skips the rest of the last layer (see `forward`).
+    """
     return forward(config, params, input_ids, attention_mask, positions=positions,
-                   with_head=False)[0]
+                   with_head=False, output_slice=output_slice)[0]
 
 
 def lm_head_logits(config: ModelConfig, params: hk.Params, hidden: jax.Array,

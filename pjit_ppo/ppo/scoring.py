@@ -2,7 +2,8 @@
 
 Queries are left-padded [B, Q] with a mask; responses are [B, R]. The logits that
 predict response token t sit at sequence position Q - 1 + t, so the LM head is
-applied to those R positions only (never to the query positions).
+applied to those R positions only (never to the query positions), and the last
+layer of every model computes only positions Q - 1 onwards (`output_slice`).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def response_hidden(config: ModelConfig, params, query, query_mask, response,
     """Hidden states at the R positions that predict the response: [B, R, D]."""
     ids, mask = _sequence(query, query_mask, response, response_mask)
     q, r = query.shape[1], response.shape[1]
-    return hidden_states(config, params, ids, mask)[:, q - 1:q + r - 1]
+    return hidden_states(config, params, ids, mask, output_slice=(q - 1, q + r - 1))
 
 
 def logprobs_from_hidden(config: ModelConfig, params, hidden, response, temperature: float,
@@ -68,9 +69,16 @@ def response_values(config: ModelConfig, critic_params, query, query_mask, respo
 
 def sequence_reward(config: ModelConfig, reward_params, query, query_mask, response,
                     response_mask) -> jax.Array:
-    """Reward-model score of each (query, response) at its last real token: float32 [B]."""
+    """Reward-model score of each (query, response) at its last real token: float32 [B].
+
+    Hidden states are computed from position Q - 1 on (the last query token, real
+    for any left-padded query that is not empty); a row with no real token there or
+    after it is scored at position Q - 1.
+    """
     ids, mask = _sequence(query, query_mask, response, response_mask)
-    hidden = hidden_states(config, reward_params, ids, mask)
-    last = heads.last_true_index(mask)
+    start = query.shape[1] - 1
+    hidden = hidden_states(config, reward_params, ids, mask,
+                           output_slice=(start, ids.shape[1]))
+    last = jnp.maximum(heads.last_true_index(mask) - start, 0)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     return heads.reward_from_hidden(reward_params, h_last)

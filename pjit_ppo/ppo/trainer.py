@@ -42,28 +42,41 @@ def iteration_keys(cfg: PPOConfig, iteration: int) -> Tuple[jax.Array, jax.Array
     return sample_key, update_key
 
 
-def _forward_flops(model, tokens_per_row: int, context: int, head_tokens: int) -> float:
-    """Forward FLOPs of one row: trunk over tokens_per_row at `context`, head on head_tokens."""
+def _forward_flops(model, tokens_per_row: int, context: int, head_tokens: int,
+                   last_layer_tokens: Optional[int] = None) -> float:
+    """Forward FLOPs of one row: trunk over tokens_per_row at `context`, head on head_tokens.
+
+    last_layer_tokens: how many positions the last layer computes in full (scoring
+    passes use `output_slice`); the other positions only need its key and value
+    projections. None = all of them.
+    """
     c = model
-    trunk = flops_lib.transformer_flops_per_token(
-        c.n_layers, c.d_model, c.n_heads, c.head_dim, c.d_ff, c.vocab_size, context,
+    per_layer = flops_lib.transformer_flops_per_token(
+        1, c.d_model, c.n_heads, c.head_dim, c.d_ff, c.vocab_size, context,
         gated_mlp=c.gated_mlp, n_kv_heads=c.n_kv_heads, lm_head=False)
-    return trunk * tokens_per_row + 2.0 * c.d_model * c.vocab_size * head_tokens
+    trunk = c.n_layers * per_layer * tokens_per_row
+    if last_layer_tokens is not None:
+        kv_only = flops_lib.kv_projection_flops_per_token(c.d_model, c.head_dim, c.n_kv_heads)
+        trunk -= (per_layer - kv_only) * (tokens_per_row - last_layer_tokens)
+    return trunk + 2.0 * c.d_model * c.vocab_size * head_tokens
 
 
 def phase_flops(cfg: PPOConfig, models: PPOModels, reward_model=None) -> Dict[str, float]:
     """Model FLOPs of one iteration: {"rollout": ..., "update": ...} (global batch).
 
-    Counts matmul and attention FLOPs (2 per multiply-add); the backward pass is
-    counted as twice the forward, recomputation from remat is not counted (MFU
-    counts useful work only).
+    Counts matmul and attention FLOPs (2 per multiply-add) of the work done: the
+    scoring passes' last layer only at the positions they read (R for logprobs and
+    values, R + 1 for the reward). The backward pass is counted as twice the
+    forward; recomputation from remat is not counted (MFU counts useful work only).
     """
     b, q, r = cfg.batch_size, cfg.query_length, cfg.response_length
     pol = models.policy
     sample = _forward_flops(pol, q, q, 1) + _forward_flops(pol, r, q + r // 2, r)
-    policy_fwd = _forward_flops(pol, q + r, q + r, r)
-    critic_fwd = 0.0 if cfg.shared_trunk else _forward_flops(models.critic, q + r, q + r, 0)
-    reward_fwd = _forward_flops(reward_model, q + r, q + r, 0) if reward_model else 0.0
+    policy_fwd = _forward_flops(pol, q + r, q + r, r, last_layer_tokens=r)
+    critic_fwd = (0.0 if cfg.shared_trunk else
+                  _forward_flops(models.critic, q + r, q + r, 0, last_layer_tokens=r))
+    reward_fwd = (_forward_flops(reward_model, q + r, q + r, 0, last_layer_tokens=r + 1)
+                  if reward_model else 0.0)
     rollout_f = sample + 2 * policy_fwd + critic_fwd + reward_fwd
     if not cfg.recompute_rollout_logprobs and not cfg.shared_trunk:
         rollout_f -= policy_fwd

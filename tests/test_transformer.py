@@ -1,0 +1,139 @@
+"""The decoder's layer stack: output_slice (last layer on some positions only), remat
+policies, and the FLOP count of a sliced forward against XLA's cost analysis."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pjit_ppo.models import transformer
+from pjit_ppo.models.config import ModelConfig
+from pjit_ppo.ppo import trainer
+from tests import tiny_hf
+
+BATCH, SEQ, SLICE = 3, 11, (6, 10)
+
+
+def _config(variant, **overrides):
+    family, hf_overrides = tiny_hf.VARIANTS[variant]
+    config = ModelConfig.from_hf_dict(tiny_hf.hf_config(family, **hf_overrides).to_dict())
+    return config.replace(**overrides) if overrides else config
+
+
+def _inputs():
+    ids = jax.random.randint(jax.random.PRNGKey(2), (BATCH, SEQ), 0, tiny_hf.VOCAB - 1)
+    # left padding of 0, 2 and 5 tokens
+    mask = jnp.arange(SEQ)[None] >= jnp.array([[0], [2], [5]])
+    return ids, mask
+
+
+def _max_rel_err(a_tree, b_tree):
+    """Largest |a - b| over all leaves, relative to the largest |a| of all leaves.
+
+    (Per leaf would divide by ~0 for gradients that vanish in exact arithmetic,
+    such as the key bias, which a softmax over keys ignores.)
+    """
+    scale = max(float(jnp.max(jnp.abs(a))) for a in jax.tree.leaves(a_tree))
+    return max(float(jnp.max(jnp.abs(a - b)))
+               for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree))) / scale
+
+
+# Each code path of the sliced last layer: sequential and parallel residual, shared or
+# separate parallel norms, learned / interleaved rotary / half rotary positions.
+@pytest.mark.parametrize("variant", ["gpt2", "gptj", "gpt_neox", "gpt_neox_sequential", "llama"])
+def test_output_slice_matches_the_full_forward(variant):
+    config = _config(variant)
+    params = jax.jit(transformer.init_params, static_argnums=0)(config, jax.random.PRNGKey(1))
+    ids, mask = _inputs()
+    lo, hi = SLICE
+
+    def loss(p, output_slice):
+        h = transformer.hidden_states(config, p, ids, mask, output_slice=output_slice)
+        if output_slice is None:
+            h = h[:, lo:hi]
+        return jnp.sum(jnp.sin(h) * jnp.arange(h.shape[1])[None, :, None])
+
+    @jax.jit  # one compilation for everything (op-by-op execution is slow)
+    def both(p):
+        full = transformer.forward(config, p, ids, mask)
+        part = transformer.forward(config, p, ids, mask, output_slice=SLICE)
+        return (full[0][:, lo:hi], part[0], full[1][:, lo:hi], part[1],
+                jax.grad(loss)(p, None), jax.grad(loss)(p, SLICE))
+
+    hidden_full, hidden_part, logits_full, logits_part, grads_full, grads_part = both(params)
+    assert hidden_part.shape == (BATCH, hi - lo, config.d_model)
+    np.testing.assert_allclose(hidden_part, hidden_full, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(logits_part, logits_full, atol=2e-5, rtol=1e-5)
+    assert _max_rel_err(grads_full, grads_part) < 1e-5
+
+
+@pytest.mark.parametrize("remat_policy,unroll", [("full", 1), ("dots_saveable", 2),
+                                                  ("none", 2)])
+def test_remat_and_unroll_do_not_change_values_or_gradients(remat_policy, unroll):
+    base = _config("llama")
+    other = base.replace(remat_policy=remat_policy, scan_unroll=unroll)
+    params = jax.jit(transformer.init_params, static_argnums=0)(base, jax.random.PRNGKey(1))
+    ids, mask = _inputs()
+
+    def loss(config, p):
+        return jnp.sum(jnp.sin(transformer.hidden_states(config, p, ids, mask,
+                                                          output_slice=SLICE)))
+
+    v_base, g_base = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(base, params)
+    v_other, g_other = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)(other, params)
+    np.testing.assert_allclose(v_other, v_base, rtol=1e-6)
+    assert _max_rel_err(g_base, g_other) < 1e-5
+
+
+def test_unknown_remat_policy_is_a_clear_error():
+    config = _config("gpt2", remat_policy="save_everything_please")
+    ids, mask = _inputs()
+    with pytest.raises(ValueError, match="unknown remat_policy"):
+        transformer.init_params(config, jax.random.PRNGKey(0))
+    del ids, mask
+
+
+def test_output_slice_is_validated():
+    config = _config("gpt2")
+    params = transformer.init_params(config, jax.random.PRNGKey(1))
+    ids, mask = _inputs()
+    for bad in [(5, 5), (-1, 4), (3, SEQ + 1), (7, 2)]:
+        with pytest.raises(ValueError, match="output_slice"):
+            transformer.hidden_states(config, params, ids, mask, output_slice=bad)
+    cache = transformer.init_kv_cache(config, BATCH, SEQ)
+    with pytest.raises(ValueError, match="output_slice"):
+        transformer.forward(config, params, ids, mask, cache=cache, cache_mask=mask,
+                            output_slice=SLICE)
+
+
+def _xla_flops(fn, *args):
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0]
+    if not cost or "flops" not in cost:
+        pytest.skip("backend gives no cost analysis")
+    return cost["flops"]
+
+
+def test_sliced_forward_flops_match_xla_cost_analysis():
+    # Fully unrolled, so the cost analysis sees every layer (it counts a loop body once).
+    config = ModelConfig.from_hf_dict(dict(
+        model_type="gpt2", vocab_size=512, n_embd=128, n_layer=3, n_head=4,
+        n_positions=128)).replace(scan_unroll=3)
+    params = transformer.param_shapes(config)
+    batch, query, response = 2, 48, 16
+    seq = query + response
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch, seq), jnp.bool_)
+
+    def xla(output_slice):
+        return _xla_flops(lambda p, i, m: transformer.hidden_states(
+            config, p, i, m, output_slice=output_slice), params, ids, mask)
+
+    full, part = xla(None), xla((query - 1, seq - 1))
+    ours_full = batch * trainer._forward_flops(config, seq, seq, 0)
+    ours_part = batch * trainer._forward_flops(config, seq, seq, 0, last_layer_tokens=response)
+    # XLA also counts norms, softmax and activations (a few percent).
+    assert ours_full == pytest.approx(full, rel=0.05)
+    assert ours_part == pytest.approx(part, rel=0.05)
+    assert ours_full - ours_part == pytest.approx(full - part, rel=0.05)
+    assert part < 0.85 * full
