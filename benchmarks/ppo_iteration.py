@@ -7,6 +7,10 @@ Default shape: GPT-2 architecture, vocab 50257, d_model 256, 4 layers, 4 heads,
 fp32; separate critic and reward model of the same shape; query 64, response 24,
 batch 64, 1 minibatch, 4 epochs, no gradient accumulation. Random weights and
 prompts. MFU is against a square-matmul peak measured in the same run.
+
+On a 2-core CPU one device is fastest: two host devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=2 with --mesh_data 2 --mesh_fsdp 1)
+measured 15.3 s per iteration against 12-13 s.
 """
 import argparse
 import os
@@ -45,6 +49,7 @@ def make_config(args):
         query_length=64, response_length=24, batch_size=args.batch_size, nminibatches=1,
         noptepochs=4, gradient_accumulation_steps=args.grad_accum,
         total_episodes=args.batch_size * 1000, critic_init="reward", pad_token_id=50256)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = args.mesh_data, args.mesh_fsdp, 1
     c.measure_peak = False
     return c
 
@@ -59,6 +64,9 @@ def main():
     p.add_argument("--scan_unroll", type=int, default=0,
                    help="layers per scan step; 0 = all layers (fastest on CPU here)")
     p.add_argument("--iterations", type=int, default=5, help="timed iterations after warm-up")
+    p.add_argument("--mesh_data", type=int, default=1, help="data-parallel mesh axis size")
+    p.add_argument("--mesh_fsdp", type=int, default=-1,
+                   help="FSDP mesh axis size; -1 = the remaining devices")
     args = p.parse_args()
 
     config = make_config(args)
