@@ -225,8 +225,8 @@ def _checkpointed(config, fn):
 def _stacked_layers(config, block, x, per_layer, last_layer_query=None):
     """Applies `block` to x once per layer, each layer with its own parameters.
 
-    block(x, *per_layer_inputs, query=None) -> (x, per_layer_output) is a Haiku
-    function; its parameters are created once per layer and stacked on a leading
+    block(x, *per_layer_inputs) -> (x, per_layer_output) is a Haiku function (with
+    last_layer_query it must also take a `query=` keyword); its parameters are created once per layer and stacked on a leading
     n_layers axis under "layers" (the paths of the module docstring). Layers run as a
     `lax.scan` (config.scan_unroll layers per step), each under the remat policy.
 
@@ -248,8 +248,8 @@ def _stacked_layers(config, block, x, per_layer, last_layer_query=None):
 
     params = hk.lift(init_stacked, name="layers")(x, hk.maybe_next_rng_key())
 
-    def apply(p, x, *inputs, query=None):
-        return layer.apply(p, None, x, *inputs, query=query)
+    def apply(p, x, *inputs, **kwargs):
+        return layer.apply(p, None, x, *inputs, **kwargs)
 
     def step(x, scanned):
         p, inputs = scanned
@@ -296,7 +296,7 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
             if output_slice is not None:
                 raise ValueError("output_slice is for full forwards (no cache)")
 
-            def layer(x, ck, cv, query=None):
+            def layer(x, ck, cv):
                 return _block(c, x, positions, biases, (ck, cv))
             x, (ks, vs) = _stacked_layers(c, layer, x, (cache.k, cache.v))
             # One in-place write of all layers' new entries (the cache is read-only above).
