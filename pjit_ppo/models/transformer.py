@@ -226,9 +226,10 @@ def _stacked_layers(config, block, x, per_layer, last_layer_query=None):
     """Applies `block` to x once per layer, each layer with its own parameters.
 
     block(x, *per_layer_inputs) -> (x, per_layer_output) is a Haiku function (with
-    last_layer_query it must also take a `query=` keyword); its parameters are created once per layer and stacked on a leading
-    n_layers axis under "layers" (the paths of the module docstring). Layers run as a
-    `lax.scan` (config.scan_unroll layers per step), each under the remat policy.
+    last_layer_query it must also take a `query=` keyword); its parameters are
+    created once per layer and stacked on a leading n_layers axis under "layers"
+    (the paths of the module docstring). Layers run as a `lax.scan`
+    (config.scan_unroll layers per step), each under the remat policy.
 
     per_layer: a tuple of arrays with a leading n_layers axis, sliced per layer.
     last_layer_query: None, or a static (start, stop) passed to the last layer only,
