@@ -10,7 +10,7 @@ prompts. MFU is against a square-matmul peak measured in the same run.
 
 On a 2-core CPU one device is fastest: two host devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=2 with --mesh_data 2 --mesh_fsdp 1)
-measured 15.3 s per iteration against 12-13 s.
+measured 15.3 s per iteration against 12-13 s with one device (same session, 2026-12-02).
 """
 import argparse
 import os
