@@ -4,7 +4,7 @@ Import (`load_pretrained`): every parameter is created shard by shard
 (`make_array_shard_by_shard`, a leaner `jax.make_array_from_callback`). The
 callback for a device reads only that device's slice of the HF tensor(s), per
 layer for stacked parameters, and applies the family's re-indexing
-(`hf_layout.TensorMap`: transpose, head reshape, fused-QKV split). Besides the
+(`families.layout.TensorMap`: transpose, head reshape, fused-QKV split). Besides the
 parameters themselves, a host holds at most one shard and one bounded file
 window at a time; never a whole tensor, let alone the whole model.
 
@@ -26,9 +26,9 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from pjit_ppo import sharding as sharding_lib
-from pjit_ppo.models import hf_layout, transformer
+from pjit_ppo.models import families, transformer
 from pjit_ppo.models.config import ModelConfig
-from pjit_ppo.models.hf_layout import TensorMap
+from pjit_ppo.models.families.layout import TensorMap
 from pjit_ppo.models.safetensors_io import (INDEX_FILE, SINGLE_FILE, WEIGHT_DTYPES,
                                             CheckpointError, CheckpointReader, dtype_code,
                                             write_safetensors)
@@ -79,7 +79,7 @@ def load_pretrained(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "flo
         raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {dtype!r}")
     config = ModelConfig.from_pretrained(path, **dict(config_overrides or {}))
     reader = CheckpointReader(path)
-    maps = hf_layout.tensor_maps(config)
+    maps = families.get(config.architecture).tensor_maps(config)
     shapes = transformer.param_shapes(config)
     names = _resolve_names(config, reader, maps, shapes)
     if mesh is None:
@@ -131,16 +131,16 @@ def _resolve_names(config, reader, maps, shapes) -> Dict[Tuple[str, str], List[s
     per parameter (one per layer for stacked parameters)."""
     missing_in_maps = [f"{m}/{n}" for m, leaves in shapes.items() for n in leaves
                        if (m, n) not in maps]
-    if missing_in_maps:  # a bug in hf_layout, not a user error
+    if missing_in_maps:  # a bug in the family's tensor maps, not a user error
         raise RuntimeError(f"no HF mapping for parameters {missing_in_maps}")
+    family = families.get(config.architecture)
     out = {}
     for (module, pname), m in maps.items():
         layers = range(config.n_layers) if m.layered else [None]
         found = []
         for layer in layers:
             want = m.name(layer)
-            name = next((n for n in hf_layout.candidate_names(config.architecture, want)
-                         if n in reader), None)
+            name = next((n for n in family.candidate_names(want) if n in reader), None)
             if name is None:
                 raise CheckpointError(
                     f"tensor {want!r} (for {module}/{pname}) is missing from the checkpoint in "
@@ -235,7 +235,7 @@ def save_pretrained(path: str, config: ModelConfig, params: hk.Params, *,
     In a multi-process run every process must call this (all take part in
     gathering each tensor); only process 0 writes.
     """
-    maps = hf_layout.tensor_maps(config)
+    maps = families.get(config.architecture).tensor_maps(config)
     _check_tree(config, params, maps)
     out_dtype = None if dtype is None else np.dtype(jax.numpy.dtype(dtype))
     plan = _export_plan(config, params, maps, out_dtype)
@@ -284,7 +284,7 @@ def _export_plan(config, params, maps, out_dtype):
         m0 = sources[0][2]
         chosen = {tuple(m.select) for _, _, m, _ in sources}
         if len(chosen) != len(sources) or (m0.select and len(sources) != _n_selected(m0)):
-            raise RuntimeError(f"hf_layout does not cover fused tensor {name!r}")  # a bug
+            raise RuntimeError(f"tensor maps do not cover fused tensor {name!r}")  # a bug
         dt = out_dtype or np.dtype(params[sources[0][0]][sources[0][1]].dtype)
         dtype_code(dt)  # unsupported dtypes fail here, on every process, before writing
         plan.append((name, m0.hf_shape, dt, sources))
@@ -379,7 +379,7 @@ def _write_index_and_config(path, config, plan, shards, files):
     hf = config.to_hf_dict()
     hf.setdefault("model_type", config.architecture)
     if not hf.get("architectures"):
-        hf["architectures"] = [hf_layout.ARCHITECTURES[config.architecture]]
+        hf["architectures"] = [families.get(config.architecture).hf_class]
     saved = {str(dt) for _, _, dt, _ in plan}
     if len(saved) == 1:
         hf["dtype"] = saved.pop()
