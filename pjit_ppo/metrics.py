@@ -17,13 +17,14 @@ import jax
 import numpy as np
 from absl import logging
 
+# The metrics shown on the console line; the one definition the trainer uses.
 DEFAULT_CONSOLE_KEYS = (
     "objective/scores",
     "objective/kl",
     "objective/kl_coef",
-    "ppo/policy/approxkl_avg",
     "ppo/loss/total",
-    "ppo/lr",
+    "time/rollout_s",
+    "time/update_s",
 )
 
 
@@ -40,6 +41,14 @@ def _to_python(value):
         raise ValueError(f"metric value must be a scalar, got shape {arr.shape}")
     item = arr.reshape(()).item()
     return item if isinstance(item, (bool, int)) else float(item)
+
+
+def _json_value(value):
+    """A metric value as strict JSON allows it: non-finite floats become None (null)."""
+    value = _to_python(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 class MetricWriter:
@@ -64,8 +73,11 @@ class JsonlWriter(MetricWriter):
 
     The file is opened in append mode (a resumed run continues the same file)
     and flushed after each line, so a crash loses at most the line in flight.
-    NaN and inf are written as the non-standard JSON tokens NaN / Infinity,
-    which Python's json module reads back.
+
+    Every line is strict JSON (RFC 8259), readable by any parser: a value that
+    is NaN, +inf or -inf (e.g. a diagnostic ratio that is 0/0 on some batch) is
+    written as ``null``, and the key is kept, so "the metric was not finite"
+    stays distinguishable from "the metric was not logged".
     """
 
     def __init__(self, path: str):
@@ -79,8 +91,8 @@ class JsonlWriter(MetricWriter):
         if self._file is None:
             return
         record = {"iteration": int(step)}
-        record.update({k: _to_python(v) for k, v in scalars.items()})
-        self._file.write(json.dumps(record) + "\n")
+        record.update({k: _json_value(v) for k, v in scalars.items()})
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -214,16 +226,24 @@ def make_writers(workdir: str, total_iterations: int,
     return MultiWriter(writers)
 
 
-def device_memory_stats() -> dict[str, float]:
-    """Maxima over local devices of the backend's memory counters, in MiB.
+def device_memory_stats(devices: Iterable | None = None) -> dict[str, float]:
+    """Maxima over devices of the backend's memory counters, in MiB.
+
+    Args:
+      devices: the devices to ask (anything with a ``memory_stats()`` method);
+        None means ``jax.local_devices()``. A device whose ``memory_stats()``
+        returns None or an empty dict, or raises (backends differ), is skipped.
 
     Returns:
       {"memory/bytes_in_use_mib": float, "memory/peak_bytes_in_use_mib":
-      float}, each key only if some device reports it; {} on backends without
+      float}, each key only if some device reports the counter
+      (``bytes_in_use`` / ``peak_bytes_in_use``); {} on backends without
       memory stats (CPU returns None).
     """
+    if devices is None:
+        devices = jax.local_devices()
     maxima: dict[str, float] = {}
-    for device in jax.local_devices():
+    for device in devices:
         try:
             stats = device.memory_stats()
         except Exception:  # some backends raise instead of returning None

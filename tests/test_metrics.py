@@ -10,9 +10,14 @@ import pytest
 from pjit_ppo import metrics
 
 
+def _reject_constant(name):
+    raise ValueError(f"not strict JSON: {name}")
+
+
 def _read_jsonl(path):
+    """Parses every line strictly: the tokens NaN, Infinity and -Infinity are errors."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line, parse_constant=_reject_constant) for line in f]
 
 
 def test_jsonl_round_trip_and_append(tmp_path):
@@ -30,10 +35,30 @@ def test_jsonl_round_trip_and_append(tmp_path):
 
     # A resumed run reopens the file and appends.
     with metrics.JsonlWriter(path) as writer:
-        writer.write(3, {"a": float("nan")})
+        writer.write(3, {"a": 0.25})
     rows = _read_jsonl(path)
     assert [r["iteration"] for r in rows] == [1, 2, 3]
-    assert np.isnan(rows[2]["a"])
+    assert rows[2]["a"] == 0.25
+
+
+def test_strict_parser_rejects_nan():
+    # The check below is only meaningful if _read_jsonl really refuses NaN tokens.
+    with pytest.raises(ValueError, match="not strict JSON"):
+        json.loads('{"a": NaN}', parse_constant=_reject_constant)
+
+
+def test_jsonl_writes_non_finite_values_as_null(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    with metrics.JsonlWriter(path) as writer:
+        writer.write(1, {"nan": float("nan"), "inf": float("inf"), "ninf": -np.inf,
+                         "f32_nan": np.float32("nan"), "jax_inf": jnp.asarray(jnp.inf),
+                         "ok": 1.5, "zero": 0.0, "int": 4, "flag": True})
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert "NaN" not in text and "Infinity" not in text
+    assert _read_jsonl(path) == [{"iteration": 1, "nan": None, "inf": None, "ninf": None,
+                                  "f32_nan": None, "jax_inf": None, "ok": 1.5, "zero": 0.0,
+                                  "int": 4, "flag": True}]
 
 
 def test_jsonl_flushes_each_line(tmp_path):
@@ -126,10 +151,53 @@ def test_noop_off_process_zero(tmp_path, monkeypatch):
     assert lines == []
 
 
-def test_device_memory_stats():
-    stats = metrics.device_memory_stats()
-    assert isinstance(stats, dict)
-    if all(d.memory_stats() is None for d in jax.local_devices()):
-        assert stats == {}
-    for key, value in stats.items():
-        assert key.startswith("memory/") and value >= 0.0
+class _FakeDevice:
+    """Stands in for a jax device: memory_stats() returns `stats`, or raises it."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+
+def test_device_memory_stats_takes_maxima_in_mib():
+    mib = 2**20
+    devices = [
+        _FakeDevice({"bytes_in_use": 3 * mib, "peak_bytes_in_use": 10 * mib,
+                     "bytes_limit": 100 * mib}),
+        _FakeDevice(None),  # CPU-like backend
+        _FakeDevice(RuntimeError("memory stats unsupported")),
+        _FakeDevice({}),
+        _FakeDevice({"bytes_in_use": 5 * mib + mib // 2, "peak_bytes_in_use": 7 * mib}),
+        _FakeDevice({"peak_bytes_in_use": 12 * mib}),  # no bytes_in_use counter
+    ]
+    assert metrics.device_memory_stats(devices) == {
+        "memory/bytes_in_use_mib": 5.5,
+        "memory/peak_bytes_in_use_mib": 12.0,
+    }
+
+
+def test_device_memory_stats_only_reported_counters():
+    mib = 2**20
+    assert metrics.device_memory_stats([_FakeDevice({"bytes_in_use": 2 * mib})]) == {
+        "memory/bytes_in_use_mib": 2.0}
+    no_stats = [_FakeDevice(None), _FakeDevice(ValueError("no")), _FakeDevice({})]
+    assert metrics.device_memory_stats(no_stats) == {}
+    assert metrics.device_memory_stats([]) == {}
+
+
+def test_device_memory_stats_defaults_to_local_devices(monkeypatch):
+    mib = 2**20
+    fake = [_FakeDevice({"bytes_in_use": mib, "peak_bytes_in_use": 4 * mib})]
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: fake)
+    assert metrics.device_memory_stats() == {"memory/bytes_in_use_mib": 1.0,
+                                             "memory/peak_bytes_in_use_mib": 4.0}
+
+
+def test_default_console_keys():
+    assert metrics.DEFAULT_CONSOLE_KEYS == (
+        "objective/scores", "objective/kl", "objective/kl_coef", "ppo/loss/total",
+        "time/rollout_s", "time/update_s")

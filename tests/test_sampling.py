@@ -19,7 +19,7 @@ PROMPT_LENS = (7, 5, 1, 3, 6, 2, 7, 4)  # real tokens per row, left padded to 7
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_model(tmp_path_factory):
     """family -> (transformers model, checkpoint dir, our config, our params)."""
     cache = {}
 
@@ -64,13 +64,13 @@ def _log_softmax(x):
 
 # ------------------------------------------------------------------ parity
 @pytest.mark.parametrize("family", tiny_hf.FAMILIES)
-def test_greedy_matches_transformers(tiny, family):
+def test_greedy_matches_transformers(tiny_model, family):
     """Greedy tokens and every step's logits equal HF generate on left-padded prompts.
 
     HF builds position ids from the attention mask (cumsum - 1) in generate for
     all four families, which is what we do, so padding does not shift positions.
     """
-    model, _, config, params = tiny(family)
+    model, _, config, params = tiny_model(family)
     ids, mask = _prompts()
     n_new = 10
     tokens, logprobs, logits = _gen(config, params, ids, mask, max_new_tokens=n_new,
@@ -100,9 +100,9 @@ def test_greedy_matches_transformers(tiny, family):
 
 
 @pytest.mark.parametrize("family", tiny_hf.FAMILIES)
-def test_cached_logits_equal_full_forward(tiny, family):
+def test_cached_logits_equal_full_forward(tiny_model, family):
     """Per-step logits of the cached loop == one uncached forward over prompt + response."""
-    _, _, config, params = tiny(family)
+    _, _, config, params = tiny_model(family)
     ids, mask = _prompts()
     n_new = 9
     tokens, logprobs, logits = _gen(config, params, ids, mask, key=3, max_new_tokens=n_new,
@@ -152,9 +152,9 @@ def _chi2(counts, probs, min_expected=5.0):
                                      dict(temperature=1.3, top_p=0.7),
                                      dict(temperature=1.3, top_k=20, top_p=0.8)],
                          ids=["t1", "t0.7", "topk", "topp", "topk_topp"])
-def test_first_token_frequencies_match_softmax(tiny, options):
+def test_first_token_frequencies_match_softmax(tiny_model, options):
     """20000 draws of the first new token follow softmax(filtered logits / T) (chi-square)."""
-    _, _, config, params = tiny("gpt_neox")
+    _, _, config, params = tiny_model("gpt_neox")
     n = 20000
     ids, mask = _same_prompt(n)
     tokens, logprobs, logits = _gen(config, params, ids, mask, key=11, max_new_tokens=1,
@@ -182,9 +182,9 @@ def test_first_token_frequencies_match_softmax(tiny, options):
 
 
 @pytest.mark.parametrize("options", [dict(top_k=5), dict(top_p=0.5), dict(top_k=8, top_p=0.6)])
-def test_filters_never_emit_outside_the_kept_set(tiny, options):
+def test_filters_never_emit_outside_the_kept_set(tiny_model, options):
     """At every step of a long sample, the token lies in that step's top-k / nucleus."""
-    _, _, config, params = tiny("llama")
+    _, _, config, params = tiny_model("llama")
     ids, mask = _prompts()
     ids, mask = np.tile(ids, (8, 1)), np.tile(mask, (8, 1))
     tokens, _, logits = _gen(config, params, ids, mask, key=5, max_new_tokens=16,
@@ -210,8 +210,8 @@ def test_filters_never_emit_outside_the_kept_set(tiny, options):
     assert len(np.unique(tokens)) > 5  # it did sample
 
 
-def test_tiny_temperature_equals_greedy(tiny):
-    _, _, config, params = tiny("gpt2")
+def test_tiny_temperature_equals_greedy(tiny_model):
+    _, _, config, params = tiny_model("gpt2")
     ids, mask = _prompts()
     greedy = _gen(config, params, ids, mask, max_new_tokens=12, greedy=True)[0]
     cold = _gen(config, params, ids, mask, key=9, max_new_tokens=12, temperature=1e-6)[0]
@@ -219,8 +219,8 @@ def test_tiny_temperature_equals_greedy(tiny):
 
 
 # ------------------------------------------------------------------ stop token
-def test_stop_token_pads_after_min_new_tokens(tiny):
-    _, _, config, params = tiny("gpt2")
+def test_stop_token_pads_after_min_new_tokens(tiny_model):
+    _, _, config, params = tiny_model("gpt2")
     ids, mask = _prompts()
     ids, mask = np.tile(ids, (4, 1)), np.tile(mask, (4, 1))
     n_new, min_new = 16, 4
@@ -248,9 +248,9 @@ def test_stop_token_pads_after_min_new_tokens(tiny):
                                                                      PAD)[0]))
 
 
-def test_default_ignores_eos(tiny):
+def test_default_ignores_eos(tiny_model):
     """Without stop_token exactly max_new_tokens are sampled, EOS included."""
-    _, _, config, params = tiny("gpt2")
+    _, _, config, params = tiny_model("gpt2")
     ids, mask = _prompts()
     tokens, logprobs = _gen(config, params, ids, mask, key=4, max_new_tokens=20,
                             temperature=3.0)
@@ -258,8 +258,8 @@ def test_default_ignores_eos(tiny):
     assert logprobs.dtype == np.float32 and (logprobs < 0).all()
 
 
-def test_option_errors(tiny):
-    _, _, config, params = tiny("gpt2")
+def test_option_errors(tiny_model):
+    _, _, config, params = tiny_model("gpt2")
     ids, mask = _prompts()
     k = jax.random.PRNGKey(0)
     with pytest.raises(ValueError, match="pad_token_id"):
@@ -276,8 +276,8 @@ def test_option_errors(tiny):
 
 
 # ------------------------------------------------------------------ randomness
-def test_keys_and_rows(tiny):
-    _, _, config, params = tiny("llama")
+def test_keys_and_rows(tiny_model):
+    _, _, config, params = tiny_model("llama")
     ids, mask = _same_prompt(16)
     a = _gen(config, params, ids, mask, key=1, max_new_tokens=12)
     b = _gen(config, params, ids, mask, key=1, max_new_tokens=12)
@@ -296,10 +296,10 @@ OPTIONS = dict(max_new_tokens=8, temperature=0.7, top_p=0.9)
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_same_samples_on_one_device_and_on_a_mesh(tiny, family, mesh_name):
+def test_same_samples_on_one_device_and_on_a_mesh(tiny_model, family, mesh_name):
     # Sharding-invariant random bits need the partitionable threefry (jax >= 0.5 default).
     assert jax.config.jax_threefry_partitionable
-    _, path, config, params = tiny(family)
+    _, path, config, params = tiny_model(family)
     ids, mask = _prompts()
     single = _gen(config, params, ids, mask, key=7, **OPTIONS)
     mesh = sharding.make_mesh(**MESHES[mesh_name])
@@ -323,9 +323,9 @@ def test_same_samples_on_one_device_and_on_a_mesh(tiny, family, mesh_name):
     np.testing.assert_allclose(np.asarray(total), single[1].sum(1), atol=1e-4)
 
 
-def test_cache_is_sharded_on_the_mesh(tiny):
+def test_cache_is_sharded_on_the_mesh(tiny_model):
     """The compiled sampler keeps the KV cache batch-sharded and kv-head-sharded."""
-    _, path, config, _ = tiny("llama")
+    _, path, config, _ = tiny_model("llama")
     mesh = sharding.make_mesh(fsdp=4, tensor=2)
     _, sharded = load_pretrained(path, mesh=mesh)
     ids, mask = _prompts()
@@ -339,9 +339,9 @@ def test_cache_is_sharded_on_the_mesh(tiny):
     assert cache_shapes == {"f32[2,2,1,10,8]"}, cache_shapes
 
 
-def test_head_only_on_the_last_prompt_position(tiny):
+def test_head_only_on_the_last_prompt_position(tiny_model):
     """The compiled sampler never materialises [B, P, V] logits, only [B, V] per step."""
-    _, _, config, params = tiny("gpt2")
+    _, _, config, params = tiny_model("gpt2")
     ids, mask = _prompts()
     fn = sampling.make_generate_fn(config, max_new_tokens=4)
     compiled = fn.lower(params, jnp.asarray(ids), jnp.asarray(mask),

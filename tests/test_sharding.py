@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from pjit_ppo import sharding
 from pjit_ppo.models import ModelConfig, init_params, lm_logits, param_shapes
-from pjit_ppo.optim import make_optimizer
+from pjit_ppo.optim import TfAdamState, make_optimizer
 
 LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=32, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
@@ -81,18 +81,46 @@ def test_indivisible_dimension_names_parameter_dimension_and_mesh():
     assert "size 4" in msg and "'tensor': 4" in msg
 
 
-def test_optimizer_state_follows_its_parameter():
+@pytest.mark.parametrize("kind", ["tf_adam", "adam"])
+def test_optimizer_state_follows_its_parameter(kind):
+    """Adam's moments get exactly their parameter's sharding; counts and the learning
+    rate are replicated."""
     config = ModelConfig.from_hf_dict(LLAMA)
     mesh = sharding.make_mesh(fsdp=4, tensor=2)
     params = sharding.init_sharded(functools.partial(init_params, config), mesh,
                                    jax.random.PRNGKey(0))
-    opt = make_optimizer(learning_rate=1e-3, num_updates=10)
+    opt = make_optimizer(learning_rate=1e-3, num_updates=10, kind=kind, max_grad_norm=1.0)
     param_sh = jax.tree_util.tree_map(lambda x: x.sharding, params)
     opt_sh = sharding.opt_state_shardings(opt, param_sh, jax.eval_shape(opt.init, params), mesh)
     state = jax.jit(opt.init, out_shardings=opt_sh)(params)
-    mus = [leaf for leaf in jax.tree_util.tree_leaves(state) if leaf.ndim == 4]
-    assert mus and all(m.sharding.spec in (P(None, "fsdp", "tensor", None),
-                                           P(None, "tensor", None, "fsdp")) for m in mus)
-    counts = [leaf for leaf in jax.tree_util.tree_leaves(state) if leaf.ndim == 0]
-    assert all(c.sharding.is_fully_replicated for c in counts)
-    assert isinstance(opt, optax.GradientTransformation)
+
+    adam_types = (TfAdamState, optax.ScaleByAdamState)
+    adams = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(
+        x, adam_types)) if isinstance(x, adam_types)]
+    assert len(adams) == 1
+    adam = adams[0]
+    param_paths = _leaf_paths(params)
+    for name, moments in (("mu", adam.mu), ("nu", adam.nu)):
+        assert _leaf_paths(moments) == param_paths, name
+        for path, moment, param in zip(param_paths, jax.tree_util.tree_leaves(moments),
+                                       jax.tree_util.tree_leaves(params)):
+            assert moment.sharding == param.sharding, (name, path)
+            assert moment.addressable_shards[0].data.shape == \
+                param.addressable_shards[0].data.shape, (name, path)
+    # A parameter that is split over both mesh axes keeps that split in its moments.
+    q_spec = P(None, "fsdp", "tensor", None)
+    assert params["transformer/layers/attn/q"]["w"].sharding.spec == q_spec
+    assert adam.mu["transformer/layers/attn/q"]["w"].sharding.spec == q_spec
+    assert adam.nu["transformer/layers/attn/q"]["w"].sharding.spec == q_spec
+
+    # Everything that is not a moment (step counts, the learning rate) is a replicated scalar.
+    moment_ids = {id(x) for x in jax.tree_util.tree_leaves((adam.mu, adam.nu))}
+    others = [x for x in jax.tree_util.tree_leaves(state) if id(x) not in moment_ids]
+    assert any(x is adam.count for x in others)
+    assert any(x is state.hyperparams["learning_rate"] for x in others)
+    assert all(x.ndim == 0 and x.sharding.is_fully_replicated for x in others)
+
+
+def _leaf_paths(tree):
+    return [jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
