@@ -13,25 +13,26 @@ setuptools.setup(
     description="Haiku + pjit PPO trainer for language models from human preferences",
     packages=setuptools.find_packages(include=["pjit_ppo", "pjit_ppo.*"]),
     python_requires=">=3.10",
+    # What the library imports, and nothing else.
     install_requires=[
         "jax==0.10.2",
         "jaxlib==0.10.2",
         "dm-haiku==0.0.17",
         "optax==0.2.8",
-        "chex==0.1.92",
-        "orbax-checkpoint==0.12.8",
         "absl-py>=2.5,<3",
         "ml-collections==1.1.0",
         "numpy>=1.26",
         "ml_dtypes>=0.4",
-        "safetensors>=0.4",
-        "tokenizers>=0.20",
         "tensorboardX>=2.6",
-        "psutil>=5.9",
     ],
     extras_require={
         # transformers (PyTorch models) is only needed to check parity and to
         # make tiny checkpoints in tests; torch is pinned to the CPU wheel.
-        "test": ["pytest>=8", "torch==2.13.0", "transformers>=5,<6"],
+        "test": ["pytest>=8", "torch==2.13.0", "transformers>=5,<6", "safetensors>=0.4"],
+    },
+    entry_points={
+        "console_scripts": [
+            "pjit-ppo-train = pjit_ppo.cli.train_ppo:run_main",
+        ],
     },
 )

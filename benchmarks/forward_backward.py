@@ -8,17 +8,13 @@ model FLOP utilisation against a square-matmul peak measured in the same run
 several timed runs after a warm-up; compile time is reported separately.
 """
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pjit_ppo.cli import cpu_malloc
 
-from pjit_ppo import host_malloc  # noqa: E402
-
-if __name__ == "__main__":  # before jax starts: see pjit_ppo/host_malloc.py
-    host_malloc.reexec_with_tuned_malloc()
+if __name__ == "__main__":  # before jax starts: see pjit_ppo/cli/cpu_malloc.py
+    cpu_malloc.reexec_with_tuned_malloc()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

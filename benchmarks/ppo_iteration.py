@@ -6,29 +6,22 @@
 Default shape: GPT-2 architecture, vocab 50257, d_model 256, 4 layers, 4 heads,
 fp32; separate critic and reward model of the same shape; query 64, response 24,
 batch 64, 1 minibatch, 4 epochs, no gradient accumulation. Random weights and
-prompts. MFU is against a square-matmul peak measured in the same run.
-
-On a 2-core CPU one device is fastest: two host devices
-(XLA_FLAGS=--xla_force_host_platform_device_count=2 with --mesh_data 2 --mesh_fsdp 1)
-measured 15.3 s per iteration against 12-13 s with one device (same session, 2026-12-02).
+prompts. MFU is against a square-matmul peak measured in the same run. Dated
+measurements are in docs/performance.md.
 """
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pjit_ppo.cli import cpu_malloc
 
-from pjit_ppo import host_malloc  # noqa: E402
-
-if __name__ == "__main__":  # before jax starts: see pjit_ppo/host_malloc.py
-    host_malloc.reexec_with_tuned_malloc()
+if __name__ == "__main__":  # before jax starts: see pjit_ppo/cli/cpu_malloc.py
+    cpu_malloc.reexec_with_tuned_malloc()
 
 import jax  # noqa: E402
 
-from configs import common  # noqa: E402
 from pjit_ppo import flops  # noqa: E402
+from pjit_ppo.config import MeshConfig, ModelOptions, PPOConfig, RewardOptions, RunConfig  # noqa: E402,E501
 from pjit_ppo.ppo import run  # noqa: E402
 
 PRESETS = {
@@ -37,21 +30,20 @@ PRESETS = {
 }
 
 
-def make_config(args):
-    c = common.base_config()
-    c.model.random = dict(model_type="gpt2", vocab_size=50257, n_positions=1024,
-                          **PRESETS[args.preset])
-    c.model.compute_dtype = args.dtype
-    c.model.remat_policy = args.remat_policy
-    c.model.scan_unroll = args.scan_unroll or PRESETS[args.preset]["n_layer"]
-    c.reward.kind = "model"
-    c.ppo = common.ppo_defaults(
-        query_length=64, response_length=24, batch_size=args.batch_size, nminibatches=1,
-        noptepochs=4, gradient_accumulation_steps=args.grad_accum,
-        total_episodes=args.batch_size * 1000, critic_init="reward", pad_token_id=50256)
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = args.mesh_data, args.mesh_fsdp, 1
-    c.measure_peak = False
-    return c
+def make_config(args) -> RunConfig:
+    return RunConfig(
+        model=ModelOptions(
+            random=dict(model_type="gpt2", vocab_size=50257, n_positions=1024,
+                        **PRESETS[args.preset]),
+            compute_dtype=args.dtype, remat_policy=args.remat_policy,
+            scan_unroll=args.scan_unroll or PRESETS[args.preset]["n_layer"]),
+        reward=RewardOptions(kind="model"),
+        ppo=PPOConfig(query_length=64, response_length=24, batch_size=args.batch_size,
+                      nminibatches=1, noptepochs=4, gradient_accumulation_steps=args.grad_accum,
+                      total_episodes=args.batch_size * 1000, critic_init="reward",
+                      pad_token_id=50256),
+        mesh=MeshConfig(data=args.mesh_data, fsdp=args.mesh_fsdp, tensor=1),
+        measure_peak=False)
 
 
 def main():
@@ -75,7 +67,7 @@ def main():
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     q, m = prompts(0)
-    state, _ = trainer.step(state, frozen, q, m, 0)  # compiles both phases
+    state, first = trainer.step(state, frozen, q, m, 0)  # compiles both phases
     warm_s = time.perf_counter() - t0
     rows = []
     for it in range(1, args.iterations + 1):
@@ -93,8 +85,9 @@ def main():
           f"epochs=4 minibatches=1 grad_accum={args.grad_accum} dtype={args.dtype} "
           f"remat={args.remat_policy} unroll={config.model.scan_unroll} devices={jax.device_count()} "
           f"({jax.devices()[0].platform})")
-    print(f"host malloc: {host_malloc.describe()}")
-    print(f"build_s: {build_s:.1f}  first_iteration_s (incl. compile): {warm_s:.1f}")
+    print(f"host malloc: {cpu_malloc.describe()}")
+    print(f"build_s: {build_s:.1f}  compile_s: {first['time/compile_s']:.1f}  "
+          f"first_iteration_s (incl. compile): {warm_s:.1f}")
     print("iteration_s (all): " + ", ".join(f"{r['time/iteration_s']:.2f}" for r in rows))
     print(f"median iteration_s: {it_s:.2f}  rollout_s: {rollout_s:.2f}  update_s: {update_s:.2f}")
     print(f"episodes_per_s: {args.batch_size / it_s:.2f}")

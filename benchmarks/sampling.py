@@ -141,6 +141,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from pjit_ppo import host_malloc
-    host_malloc.reexec_with_tuned_malloc()  # before jax starts: see pjit_ppo/host_malloc.py
+    from pjit_ppo.cli import cpu_malloc
+    cpu_malloc.reexec_with_tuned_malloc()  # before jax starts: see pjit_ppo/cli/cpu_malloc.py
     main()

@@ -124,3 +124,61 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
     if seconds <= 0 or peak <= 0:
         return 0.0
     return float(flops) / float(seconds) / float(peak)
+
+
+def forward_flops(model, tokens_per_row: int, context: int, head_tokens: int,
+                  last_layer_tokens: int | None = None) -> float:
+    """Forward FLOPs of one row of a ModelConfig `model`.
+
+    The trunk runs over `tokens_per_row` tokens attending over `context` keys; the
+    LM head runs on `head_tokens` of them.
+
+    Args:
+      model: a ModelConfig (sizes are read from it).
+      tokens_per_row: tokens the trunk processes.
+      context: keys each query attends over (see `transformer_flops_per_token`).
+      head_tokens: positions the LM head is applied to (0 for a scalar-head model).
+      last_layer_tokens: how many positions the last layer computes in full (scoring
+        passes use `output_slice`); the other positions only need its key and value
+        projections. None = all of them.
+
+    Returns:
+      float FLOPs.
+    """
+    c = model
+    per_layer = transformer_flops_per_token(
+        1, c.d_model, c.n_heads, c.head_dim, c.d_ff, c.vocab_size, context,
+        gated_mlp=c.gated_mlp, n_kv_heads=c.n_kv_heads, lm_head=False)
+    trunk = c.n_layers * per_layer * tokens_per_row
+    if last_layer_tokens is not None:
+        kv_only = kv_projection_flops_per_token(c.d_model, c.head_dim, c.n_kv_heads)
+        trunk -= (per_layer - kv_only) * (tokens_per_row - last_layer_tokens)
+    return trunk + 2.0 * c.d_model * c.vocab_size * head_tokens
+
+
+def ppo_phase_flops(cfg, models, reward_model=None) -> dict[str, float]:
+    """Model FLOPs of one PPO iteration: {"rollout": ..., "update": ...} (global batch).
+
+    Counts matmul and attention FLOPs (2 per multiply-add) of the work done: the
+    scoring passes' last layer only at the positions they read (R for logprobs and
+    values, R + 1 for the reward). The backward pass is counted as twice the
+    forward; recomputation from remat is not counted (MFU counts useful work only).
+
+    Args:
+      cfg: the PPOConfig; models: the run's PPOModels (policy and critic configs);
+      reward_model: the reward model's ModelConfig, or None for a reward that is a
+        function of tokens.
+    """
+    b, q, r = cfg.batch_size, cfg.query_length, cfg.response_length
+    pol = models.policy
+    sample = forward_flops(pol, q, q, 1) + forward_flops(pol, r, q + r // 2, r)
+    policy_fwd = forward_flops(pol, q + r, q + r, r, last_layer_tokens=r)
+    critic_fwd = (0.0 if models.critic is None else
+                  forward_flops(models.critic, q + r, q + r, 0, last_layer_tokens=r))
+    reward_fwd = (forward_flops(reward_model, q + r, q + r, 0, last_layer_tokens=r + 1)
+                  if reward_model else 0.0)
+    rollout_f = sample + 2 * policy_fwd + critic_fwd + reward_fwd
+    if not cfg.recompute_rollout_logprobs and not cfg.shared_trunk:
+        rollout_f -= policy_fwd
+    update_f = 3.0 * cfg.noptepochs * (policy_fwd + critic_fwd)
+    return {"rollout": b * rollout_f, "update": b * update_f}

@@ -93,8 +93,24 @@ def first_true_index(mask: jax.Array, default=None) -> jax.Array:
     return jnp.where(mask.any(axis=-1), idx, jnp.asarray(default, jnp.int32))
 
 
+def last_true_index(mask: jax.Array, default: int = 0) -> jax.Array:
+    """Index of the last True in each row.
+
+    Args:
+      mask: bool [batch, length].
+      default: value for rows with no True entry.
+
+    Returns:
+      int32 [batch].
+    """
+    mask = mask.astype(bool)
+    length = mask.shape[-1]
+    idx = length - 1 - jnp.argmax(jnp.flip(mask, axis=-1), axis=-1).astype(jnp.int32)
+    return jnp.where(mask.any(axis=-1), idx, jnp.asarray(default, jnp.int32))
+
+
 def truncate_after_stop(tokens: jax.Array, stop_token: int, min_index,
-                        pad_id: int):
+                        pad_id: int, with_mask: bool = False):
     """Truncates each row after its first stop token at index >= min_index.
 
     This is the reference response truncation (truncate_token at index >=
@@ -107,19 +123,23 @@ def truncate_after_stop(tokens: jax.Array, stop_token: int, min_index,
       min_index: int, python or traced scalar; 0 considers the whole row,
         length (or more) never truncates.
       pad_id: id written after the stop token.
+      with_mask: also return the mask of the kept positions.
 
     Returns:
-      (tokens, found): tokens with tokens.dtype [batch, length]; bool [batch],
-      True where a stop token occurs in positions min_index..length-1 (rows
-      where it is False get the missing-stop penalty).
+      (tokens, found) or, with_mask, (tokens, found, kept): tokens with
+      tokens.dtype [batch, length]; found bool [batch], True where a stop token
+      occurs in positions min_index..length-1 (rows where it is False get the
+      missing-stop penalty); kept bool [batch, length], True up to and including
+      the stop token (everywhere in a row without one).
     """
     length = tokens.shape[-1]
     positions = jnp.arange(length)[None, :]
     hits = (tokens == stop_token) & (positions >= min_index)
     stop_at = first_true_index(hits, default=length)
-    truncated = jnp.where(positions > stop_at[:, None],
-                          jnp.asarray(pad_id, tokens.dtype), tokens)
-    return truncated, hits.any(axis=-1)
+    kept = positions <= stop_at[:, None]
+    truncated = jnp.where(kept, tokens, jnp.asarray(pad_id, tokens.dtype))
+    found = hits.any(axis=-1)
+    return (truncated, found, kept) if with_mask else (truncated, found)
 
 
 def penalize_missing_stop(scores: jax.Array, found: jax.Array,

@@ -1,4 +1,4 @@
-"""KV-cache sampler for left-padded prompts, and the padding helpers that go with it.
+"""KV-cache sampler for left-padded prompts.
 
 `generate` runs one prefill of the prompt into a preallocated KV cache, then a
 `lax.scan` over the new tokens that feeds one token per step; nothing leaves the
@@ -30,7 +30,6 @@ uses `lax.top_k`, and top-p after top-k only sorts the k survivors).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Mapping, Optional
 
@@ -40,92 +39,34 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pjit_ppo import sharding
+from pjit_ppo.config import SamplingOptions
 from pjit_ppo.models.config import ModelConfig
 from pjit_ppo.models.transformer import (KVCache, forward, init_kv_cache, lm_head_logits,
                                          param_shapes)
-# Re-exported so that users of the sampler find the padding helpers here too.
-from pjit_ppo.padding import (first_true_index, left_to_right_padding,  # noqa: F401
-                              penalize_missing_stop, position_ids_from_mask,
-                              right_to_left_padding, truncate_after_stop)
+from pjit_ppo.padding import position_ids_from_mask
 
-__all__ = [
-    "SamplingOptions", "generate", "make_generate_fn", "sample_from_logits",
-    "filter_logits", "keep_threshold", "first_true_index", "left_to_right_padding",
-    "penalize_missing_stop", "position_ids_from_mask", "right_to_left_padding", "truncate_after_stop",
-]
+__all__ = ["SamplingOptions", "generate", "make_generate_fn", "sample_from_logits",
+           "filter_logits", "keep_threshold"]
 
 # Logical axes of the KV cache [n_layers, batch, n_kv_heads, max_len, head_dim].
 CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingOptions:
-    """Static sampling options (Python values; part of the compiled function's identity).
-
-    Attributes:
-      max_new_tokens: number of tokens generated per row (always exactly this many).
-      temperature: logits are divided by it, for sampling and for the returned
-        logprobs. Must be > 0 (ignored for picking tokens when `greedy`).
-      top_k: keep only the k most likely tokens when sampling (0 = off).
-      top_p: nucleus sampling: keep the smallest set of most likely tokens whose
-        probability reaches top_p (1.0 = off). Applied after top_k, as HF does.
-      greedy: pick the argmax instead of sampling (top_k / top_p are then ignored;
-        the returned logprob is still under logits / temperature).
-      stop_token: once a row emits this id at index >= min_new_tokens, all its
-        later tokens become pad_token_id with logprob 0. None = never stop.
-      min_new_tokens: stop tokens before this index do not stop a row (None = 0).
-      pad_token_id: id written after a stop token; required with stop_token.
-    """
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    greedy: bool = False
-    stop_token: Optional[int] = None
-    min_new_tokens: Optional[int] = None
-    pad_token_id: Optional[int] = None
-
-    def __post_init__(self):
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(msg)
-
-        for name in ("max_new_tokens", "top_k"):
-            value = getattr(self, name)
-            need(isinstance(value, int) and not isinstance(value, bool),
-                 f"{name} must be a Python int (static), got {value!r}")
-        need(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        need(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            need(isinstance(value, (int, float)) and not isinstance(value, bool),
-                 f"{name} must be a Python float (static), got {type(value).__name__}; "
-                 f"sampling options are compiled into the function")
-        need(self.temperature > 0,
-             f"temperature must be > 0 (it also scales the returned logprobs), "
-             f"got {self.temperature}")
-        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1] (1.0 = off), got {self.top_p}")
-        if self.stop_token is not None:
-            need(self.pad_token_id is not None,
-                 "stop_token is set but pad_token_id is None: pass pad_token_id, the id "
-                 "written after a row's stop token")
-        if self.min_new_tokens is not None:
-            need(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
-                 f"min_new_tokens must be a Python int >= 0, got {self.min_new_tokens!r}")
-
-
 # ------------------------------------------------------------------ one step
-def keep_threshold(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0) -> Optional[jax.Array]:
+def keep_threshold(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0,
+                   top_p_mode: str = "transformers") -> Optional[jax.Array]:
     """Per-row logit threshold of the top-k / nucleus filter, or None when both are off.
 
     Args:
       scaled: float32 [B, V], temperature-scaled logits.
       top_k: keep the k largest per row (0 or >= V = off). Ties with the k-th
         value are kept.
-      top_p: keep the most likely tokens whose probabilities before them sum to
-        less than top_p (1.0 = off); computed on the top-k distribution when
-        top_k is on (HF's order), else on a full sort of the vocabulary.
+      top_p: nucleus threshold (1.0 = off); computed on the top-k distribution
+        when top_k is on (HF's order), else on a full sort of the vocabulary.
+      top_p_mode: "transformers" keeps the most likely tokens whose probabilities
+        before them sum to less than top_p (the token crossing top_p is kept);
+        "lm_human_preferences" keeps those whose running total including
+        themselves is <= top_p (at least one).
 
     Returns:
       None, or float32 [B, 1]: a token is kept iff its scaled logit >= threshold
@@ -143,13 +84,20 @@ def keep_threshold(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0) -> Opt
         return top_values[:, -1:]
     probs = jax.nn.softmax(top_values, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
+    if top_p_mode == "transformers":
+        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
+    elif top_p_mode == "lm_human_preferences":
+        n_keep = jnp.maximum(jnp.sum(mass_before + probs <= top_p, axis=-1, keepdims=True), 1)
+    else:
+        raise ValueError(f"top_p_mode={top_p_mode!r}; choose 'transformers' or "
+                         f"'lm_human_preferences'")
     return jnp.take_along_axis(top_values, n_keep - 1, axis=-1)
 
 
-def filter_logits(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+def filter_logits(scaled: jax.Array, top_k: int = 0, top_p: float = 1.0,
+                  top_p_mode: str = "transformers") -> jax.Array:
     """`scaled` [B, V] with logits outside the top-k / nucleus set to -inf (float32 [B, V])."""
-    threshold = keep_threshold(scaled, top_k, top_p)
+    threshold = keep_threshold(scaled, top_k, top_p, top_p_mode)
     return scaled if threshold is None else jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
@@ -207,14 +155,14 @@ def _inverse_cdf_sample(scaled, top, threshold, key, block: int):
 
 
 def sample_from_logits(logits: jax.Array, key: jax.Array, *, temperature: float = 1.0,
-                       top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
-                       block_size: int = 256):
+                       top_k: int = 0, top_p: float = 1.0, top_p_mode: str = "transformers",
+                       greedy: bool = False, block_size: int = 256):
     """Draws one token per row and returns its unfiltered, temperature-scaled logprob.
 
     Args:
       logits: float [B, V] raw next-token logits.
       key: PRNG key for this step (unused when greedy).
-      temperature, top_k, top_p, greedy: as in SamplingOptions.
+      temperature, top_k, top_p, top_p_mode, greedy: as in SamplingOptions.
       block_size: block length of the two-level inverse-CDF search (speed only).
 
     Returns:
@@ -227,7 +175,7 @@ def sample_from_logits(logits: jax.Array, key: jax.Array, *, temperature: float 
         tokens = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
         picked, threshold, total = top[:, 0], None, None
     else:
-        threshold = keep_threshold(scaled, top_k, top_p)
+        threshold = keep_threshold(scaled, top_k, top_p, top_p_mode)
         tokens, picked, total = _inverse_cdf_sample(scaled, top, threshold, key, block_size)
     if threshold is not None or total is None:  # need the unfiltered normaliser
         total = jnp.sum(jnp.exp(scaled - top), axis=-1)
@@ -253,7 +201,7 @@ def _check_inputs(config: ModelConfig, prompt_ids, prompt_mask, opts: SamplingOp
 def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
              prompt_mask: jax.Array, key: jax.Array, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             greedy: bool = False, stop_token: Optional[int] = None,
+             top_p_mode: str = "transformers", greedy: bool = False, stop_token: Optional[int] = None,
              min_new_tokens: Optional[int] = None, pad_token_id: Optional[int] = None,
              mesh: Optional[Mesh] = None, return_logits: bool = False,
              axis_rules: Mapping[str, Any] = sharding.DEFAULT_AXIS_RULES):
@@ -283,7 +231,8 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
       is the distribution token i was drawn from).
     """
     opts = SamplingOptions(max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_k=top_k, top_p=top_p, greedy=greedy, stop_token=stop_token,
+                           top_k=top_k, top_p=top_p, top_p_mode=top_p_mode, greedy=greedy,
+                           stop_token=stop_token,
                            min_new_tokens=min_new_tokens, pad_token_id=pad_token_id)
     _check_inputs(config, prompt_ids, prompt_mask, opts)
     batch, prompt_len = prompt_ids.shape
@@ -303,7 +252,8 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         logits = constrain(logits, ("batch", None))
         tok, lp = sample_from_logits(logits, jax.random.fold_in(key, step),
                                      temperature=opts.temperature, top_k=opts.top_k,
-                                     top_p=opts.top_p, greedy=opts.greedy)
+                                     top_p=opts.top_p, top_p_mode=opts.top_p_mode,
+                                     greedy=opts.greedy)
         if opts.stop_token is None:
             return tok, lp, done
         tok = jnp.where(done, jnp.int32(opts.pad_token_id), tok)
@@ -365,7 +315,8 @@ def make_generate_fn(config: ModelConfig, mesh: Optional[Mesh] = None, *,
         `param_rules`/`axis_rules` (the tree of `param_shapes(config)`), prompts
         and outputs are batch-sharded, the key is replicated.
       **static_options: keyword options of `generate` (max_new_tokens, temperature,
-        top_k, top_p, greedy, stop_token, min_new_tokens, pad_token_id, return_logits).
+        top_k, top_p, top_p_mode, greedy, stop_token, min_new_tokens, pad_token_id,
+        return_logits).
 
     Returns:
       The jitted function (compiles once per prompt shape).

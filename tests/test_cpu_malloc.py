@@ -8,19 +8,19 @@ import textwrap
 
 import pytest
 
-from pjit_ppo import host_malloc
+from pjit_ppo.cli import cpu_malloc
 
-TUNED = host_malloc.merged_tunables(None)
+TUNED = cpu_malloc.merged_tunables(None)
 
 
 def test_merged_tunables_adds_ours_and_keeps_the_users():
-    assert sorted(TUNED.split(":")) == sorted(f"{k}={v}" for k, v in host_malloc.TUNABLES.items())
-    merged = host_malloc.merged_tunables("glibc.malloc.arena_max=4:glibc.cpu.x86_avx=0")
+    assert sorted(TUNED.split(":")) == sorted(f"{k}={v}" for k, v in cpu_malloc.TUNABLES.items())
+    merged = cpu_malloc.merged_tunables("glibc.malloc.arena_max=4:glibc.cpu.x86_avx=0")
     items = merged.split(":")
     assert "glibc.malloc.arena_max=4" in items and "glibc.malloc.arena_max=1" not in items
     assert "glibc.cpu.x86_avx=0" in items
     assert f"glibc.malloc.mmap_threshold={16 << 30}" in items
-    assert host_malloc.merged_tunables(merged) == merged
+    assert cpu_malloc.merged_tunables(merged) == merged
 
 
 @pytest.mark.parametrize("env, system, libc, accelerator, expected", [
@@ -36,19 +36,19 @@ def test_merged_tunables_adds_ours_and_keeps_the_users():
     ({}, "Linux", "musl", False, False),
 ])
 def test_should_tune(env, system, libc, accelerator, expected):
-    assert host_malloc.should_tune(env, system=system, libc=libc,
+    assert cpu_malloc.should_tune(env, system=system, libc=libc,
                                    accelerator=accelerator) is expected
 
 
 def test_should_tune_rejects_unknown_setting():
     with pytest.raises(ValueError, match="PJIT_PPO_MALLOC_TUNING"):
-        host_malloc.should_tune({"PJIT_PPO_MALLOC_TUNING": "yes"}, system="Linux", libc="glibc")
+        cpu_malloc.should_tune({"PJIT_PPO_MALLOC_TUNING": "yes"}, system="Linux", libc="glibc")
 
 
 _CHILD = textwrap.dedent("""
     import ctypes, json, os, resource, sys
-    from pjit_ppo import host_malloc
-    host_malloc.reexec_with_tuned_malloc()
+    from pjit_ppo.cli import cpu_malloc
+    cpu_malloc.reexec_with_tuned_malloc()
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
     n = 256 << 20  # far above glibc's default (dynamic, at most 32 MiB) mmap threshold
@@ -64,7 +64,7 @@ _CHILD = textwrap.dedent("""
         touch_and_free()
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
     print(json.dumps({"argv": sys.argv[1:], "tunables": os.environ.get("GLIBC_TUNABLES"),
-                      "faults_per_alloc": faults, "describe": host_malloc.describe()}))
+                      "faults_per_alloc": faults, "describe": cpu_malloc.describe()}))
 """)
 
 

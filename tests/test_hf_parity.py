@@ -13,8 +13,8 @@ import torch
 
 import tiny_hf
 from pjit_ppo import sharding
-from pjit_ppo.models import (forward, init_kv_cache, lm_logits, load_pretrained,
-                             position_ids_from_mask)
+from pjit_ppo.models import forward, init_kv_cache, lm_logits, load_pretrained
+from pjit_ppo.padding import position_ids_from_mask
 
 # variant -> (family, HF config overrides)
 VARIANTS = tiny_hf.VARIANTS

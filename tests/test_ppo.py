@@ -7,14 +7,11 @@ import numpy as np
 import pytest
 
 from pjit_ppo import data, sharding
-from pjit_ppo.models import ModelConfig, init_params
-from pjit_ppo.ppo import setup
-from pjit_ppo.ppo.config import PPOConfig
-from pjit_ppo.ppo.rollout import PPOModels, model_reward_fn
-from pjit_ppo.ppo.synthetic_reward import target_token_reward
-from pjit_ppo.ppo.trainer import PPOTrainer, iteration_keys
-from pjit_ppo.ppo.update import epoch_permutations
-from pjit_ppo.models import heads
+from pjit_ppo.models import ModelConfig, heads, init_params, lm_head_logits
+from pjit_ppo.ppo import (PPOConfig, PPOModels, PPOTrainer, epoch_permutations, make_critic,
+                          make_frozen, model_reward_fn, target_token_reward, trunk_only)
+from pjit_ppo.ppo import scoring
+from pjit_ppo.ppo.trainer import iteration_keys
 
 VOCAB, PAD = 64, 63
 TINY = dict(model_type="gpt2", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
@@ -34,21 +31,21 @@ def _setup(cfg: PPOConfig, mesh, reward="model"):
     model = ModelConfig.from_hf_dict(TINY)
     init = functools.partial(init_params, model)
     policy = sharding.init_sharded(init, mesh, jax.random.PRNGKey(0))
-    frozen = {"ref": setup.make_reference(policy, model.compute_dtype)}
+    frozen = {"ref": make_frozen(policy, model.compute_dtype)}
     if reward == "model":
-        trunk = setup.trunk_only(sharding.init_sharded(init, mesh, jax.random.PRNGKey(1)))
+        trunk = trunk_only(sharding.init_sharded(init, mesh, jax.random.PRNGKey(1)))
         trunk.update(jax.device_put(heads.init_reward_head(model.d_model, jax.random.PRNGKey(2)),
                                     sharding.replicated(mesh)))
-        frozen["reward"] = setup.make_frozen(trunk, model.compute_dtype)
+        frozen["reward"] = make_frozen(trunk, model.compute_dtype)
         reward_fn = model_reward_fn(model)
         critic_source = frozen["reward"]
     else:
         frozen["reward"] = None
         reward_fn = target_token_reward(reward)
         critic_source = policy
-    critic = setup.make_critic(critic_source, model.d_model, mesh)
+    critic = make_critic(critic_source, model.d_model, mesh)
     models = PPOModels(policy=model, critic=model, reward_fn=reward_fn)
-    trainer = PPOTrainer(cfg, models, mesh)
+    trainer = PPOTrainer(cfg, models, mesh, num_updates=cfg.total_episodes // cfg.batch_size)
     state = trainer.init_state({"policy": policy, "critic": critic})
     prompts = data.synthetic_prompts(mesh, batch_size=cfg.batch_size,
                                      query_length=cfg.query_length, vocab_size=VOCAB - 1,
@@ -146,14 +143,27 @@ def test_determinism_and_fresh_randomness():
     assert len({tuple(row) for row in np.asarray(r.response)}) > cfg.batch_size // 2
 
 
+def _np_gae(rewards, values, gamma, lam):
+    adv = np.zeros_like(rewards)
+    last = np.zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        next_v = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
+        last = rewards[:, t] + gamma * next_v - values[:, t] + gamma * lam * last
+        adv[:, t] = last
+    return adv, adv + values
+
+
 def test_rollout_rewards_follow_reference_semantics():
-    cfg = _cfg(whiten_rewards=False)
+    """Scores on the truncated response (penalty without a stop token), KL-penalised
+    per-token rewards with the score at the last token, GAE returns, whitened advantages."""
+    cfg = _cfg(whiten_rewards=False, gamma=0.9, lam=0.8)
     mesh = sharding.make_mesh(fsdp=-1)
     trainer, state, frozen, prompts = _setup(cfg, mesh, reward=(5,))
     q, m = prompts(0)
-    batch, metrics = trainer.rollout(state, frozen, q, m, 0)
+    state, _ = trainer.step(state, frozen, q, m, 0)  # the policy moves off the reference
+    q, m = prompts(1)
+    batch, metrics = trainer.rollout(state, frozen, q, m, 1)
     resp = np.asarray(batch.response)
-    # Score of the target-token reward on the *truncated* response, penalty if no stop.
     scores = []
     for row in resp:
         hits = [i for i in range(cfg.truncate_after, cfg.response_length) if row[i] == 5]
@@ -162,9 +172,25 @@ def test_rollout_rewards_follow_reference_semantics():
         else:
             kept = row[:hits[0] + 1]
             scores.append(np.mean(kept == 5))
+    scores = np.asarray(scores)
     np.testing.assert_allclose(metrics["objective/scores"], np.mean(scores), rtol=1e-6)
-    # Returns = advantages(before whitening) + values; the last-step reward carries the score.
-    assert np.isfinite(np.asarray(batch.advantages)).all()
+
+    model = trainer.models.policy
+    ref = np.asarray(scoring.response_logprobs(model, frozen["ref"], q, m, batch.response,
+                                               cfg.temperature), np.float64)
+    logprobs = np.asarray(batch.logprobs, np.float64)
+    kl = logprobs - ref
+    assert np.abs(kl).max() > 1e-4  # the penalty term is really exercised
+    kl_coef = float(state.kl_coef)
+    rewards = -kl_coef * kl
+    rewards[:, -1] += scores
+    adv, returns = _np_gae(rewards, np.asarray(batch.values, np.float64), cfg.gamma, cfg.lam)
+    np.testing.assert_allclose(batch.returns, returns, rtol=1e-4, atol=1e-5)
+    white = (adv - adv.mean()) / np.sqrt(adv.var() + 1e-8)
+    np.testing.assert_allclose(batch.advantages, white, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(metrics["objective/kl"], kl.sum(1).mean(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(metrics["objective/non_score_reward"],
+                               (-kl_coef * kl).sum(1).mean(), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -183,20 +209,17 @@ def test_ppo_learns_a_token_reward():
 
 
 def test_logprobs_and_entropy_from_hidden_match_softmax():
-    from pjit_ppo.ppo.losses import entropy_from_logits
-    from pjit_ppo.ppo.scoring import logprobs_from_hidden
-    from pjit_ppo.models import lm_head_logits
     model = ModelConfig.from_hf_dict(TINY)
     params = init_params(model, jax.random.PRNGKey(0))
     hidden = jax.random.normal(jax.random.PRNGKey(1), (3, 5, model.d_model))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (3, 5), 0, VOCAB)
-    logp, ent = logprobs_from_hidden(model, params, hidden, tokens, 0.7, with_entropy=True)
+    logp, ent = scoring.logprobs_from_hidden(model, params, hidden, tokens, 0.7,
+                                             with_entropy=True)
     logits = np.asarray(lm_head_logits(model, params, hidden), np.float64) / 0.7
     ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(logp, np.take_along_axis(ref, np.asarray(tokens)[..., None],
                                                         -1)[..., 0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ent, entropy_from_logits(jnp.asarray(logits, jnp.float32)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, -(np.exp(ref) * ref).sum(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_shared_trunk_trains_policy_and_value_head():
@@ -206,9 +229,9 @@ def test_shared_trunk_trains_policy_and_value_head():
     model = ModelConfig.from_hf_dict(TINY)
     policy = sharding.init_sharded(functools.partial(init_params, model), mesh,
                                    jax.random.PRNGKey(0))
-    frozen = {"ref": setup.make_reference(policy, model.compute_dtype), "reward": None}
+    frozen = {"ref": make_frozen(policy, model.compute_dtype), "reward": None}
     models = PPOModels(policy=model, critic=None, reward_fn=target_token_reward((5,)))
-    trainer = PPOTrainer(cfg, models, mesh)
+    trainer = PPOTrainer(cfg, models, mesh, num_updates=10)
     params = {"policy": policy, **jax.device_put(heads.init_value_head(model.d_model),
                                                  sharding.replicated(mesh))}
     state = trainer.init_state(params)
@@ -222,4 +245,5 @@ def test_shared_trunk_trains_policy_and_value_head():
     assert np.abs(np.asarray(state.params["value_head"]["w"])).max() > 0  # was zero-init
     assert not np.allclose(w0, state.params["policy"]["transformer/layers/mlp/fc_in"]["w"])
     with pytest.raises(ValueError, match="shared_trunk"):
-        PPOTrainer(cfg, PPOModels(policy=model, critic=model, reward_fn=models.reward_fn), mesh)
+        PPOTrainer(cfg, PPOModels(policy=model, critic=model, reward_fn=models.reward_fn), mesh,
+                   num_updates=10)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjit_ppo import padding
 from pjit_ppo.models import heads, transformer
 from pjit_ppo.models.config import ModelConfig
 from pjit_ppo.ppo import scoring
@@ -62,7 +63,7 @@ def test_reward_is_scored_at_the_last_real_token():
     # last real token: response ends at Q+4 and Q+2; rows 2 and 3 have no response, so
     # row 2's is the last query token; row 3 has none and is scored at Q-1.
     last = np.array([QUERY + 4, QUERY + 2, QUERY - 1, QUERY - 1])
-    np.testing.assert_array_equal(heads.last_true_index(mask)[:3], last[:3])
+    np.testing.assert_array_equal(padding.last_true_index(mask)[:3], last[:3])
     want = heads.reward_from_hidden(params, hidden[jnp.arange(BATCH), last])
 
     got = jax.jit(lambda p: scoring.sequence_reward(

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjit_ppo.ppo.token_logprobs import head_token_logprobs
+from pjit_ppo.models import head_token_logprobs
 
 D, V = 16, 97
 
@@ -58,6 +58,48 @@ def test_gradients_match_autodiff(vocab_major, with_bias):
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab_major,with_bias", [(True, False), (False, True)])
+def test_scale_divides_float32_logits_values_and_gradients(vocab_major, with_bias):
+    """scale = 1 / temperature multiplies the float32 logits (bias included)."""
+    hidden, weight, bias, tokens, g = _inputs(vocab_major, with_bias, seed=3)
+    scale = 1.0 / 0.7
+
+    def ours(h, w, b):
+        return jnp.sum(g * head_token_logprobs(h, w, b, tokens, vocab_major=vocab_major,
+                                               scale=scale)[0])
+
+    def plain(h, w, b):
+        logsm = jax.nn.log_softmax(_plain_logits(h, w, b, vocab_major) * scale, axis=-1)
+        return jnp.sum(g * jnp.take_along_axis(logsm, tokens[..., None], -1)[..., 0])
+
+    np.testing.assert_allclose(ours(hidden, weight, bias), plain(hidden, weight, bias),
+                               rtol=1e-5)
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+    got = jax.jit(jax.grad(ours, argnums=argnums))(hidden, weight, bias)
+    want = jax.grad(plain, argnums=argnums)(hidden, weight, bias)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_scale_is_not_rounded_to_the_compute_dtype():
+    """In bf16 compute 1/0.7 must not become bf16(1/0.7) = 1.4296875 (an effective T of
+    0.69945): the logits are scaled in float32."""
+    hidden, weight, _, tokens, _ = _inputs(True, False, seed=4)
+    h16 = hidden.astype(jnp.bfloat16)
+    got = head_token_logprobs(h16, weight, None, tokens, vocab_major=True, scale=1 / 0.7)[0]
+    w16 = np.asarray(weight.astype(jnp.bfloat16), np.float64)
+    logits = np.asarray(h16, np.float64) @ w16.T  # bf16 inputs, exact accumulation
+    x = logits / 0.7
+    x = x - x.max(-1, keepdims=True)
+    want = np.take_along_axis(x - np.log(np.exp(x).sum(-1, keepdims=True)),
+                              np.asarray(tokens)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    rounded = x * 0.7 * float(jnp.bfloat16(1 / 0.7))
+    rounded = np.take_along_axis(rounded - np.log(np.exp(rounded).sum(-1, keepdims=True)),
+                                 np.asarray(tokens)[..., None], -1)[..., 0]
+    assert np.abs(rounded - want).max() > 10 * np.abs(np.asarray(got) - want).max()
 
 
 def test_entropy_carries_no_gradient():

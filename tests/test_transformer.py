@@ -7,8 +7,8 @@ import pytest
 
 from pjit_ppo.models import transformer
 from pjit_ppo.models.config import ModelConfig
-from pjit_ppo.ppo import trainer
-from tests import tiny_hf
+from pjit_ppo import flops
+import tiny_hf
 
 BATCH, SEQ, SLICE = 3, 11, (6, 10)
 
@@ -128,8 +128,8 @@ def test_sliced_forward_flops_match_xla_cost_analysis():
             config, p, i, m, output_slice=output_slice), params, ids, mask)
 
     full, part = xla(None), xla((query - 1, seq - 1))
-    ours_full = batch * trainer._forward_flops(config, seq, seq, 0)
-    ours_part = batch * trainer._forward_flops(config, seq, seq, 0, last_layer_tokens=response)
+    ours_full = batch * flops.forward_flops(config, seq, seq, 0)
+    ours_part = batch * flops.forward_flops(config, seq, seq, 0, last_layer_tokens=response)
     # XLA also counts norms, softmax and activations (a few percent).
     assert ours_full == pytest.approx(full, rel=0.05)
     assert ours_part == pytest.approx(part, rel=0.05)

@@ -1,15 +1,17 @@
-"""Keep glibc malloc from handing XLA:CPU's large buffers back to the kernel.
+"""CPU tuning of the entry points: keep glibc malloc from handing XLA:CPU's large
+buffers back to the kernel.
 
-XLA:CPU allocates each compiled program's temporary buffer (about 2.2 GB for
-the PPO update of the CPU benchmark shape) and every output with plain
-`malloc`. glibc serves blocks above `mmap_threshold` (at most 32 MiB by
-default) with a fresh `mmap` and `munmap`s them on free, so every call of a
-jitted phase touches its buffers' pages for the first time again: about 600k
-minor page faults and 2-3 s of kernel time per update on the 2-core benchmark
-machine. With a high mmap threshold and trim threshold the freed blocks stay in
-the heap and are reused by the next call with no faults; in the same-session
-A/B of `benchmarks/ppo_iteration.py` that took the median iteration from
-10.1-11.2 s to 9.1-9.7 s, mostly from the rollout.
+This is not part of the library's import path: only the entry points
+(`pjit_ppo/cli/*`, `launch/*`, `benchmarks/*`) call it, first thing, explicitly.
+
+XLA:CPU allocates each compiled program's temporary buffer (gigabytes for the
+PPO update of the CPU benchmark shape) and every output with plain `malloc`.
+glibc serves blocks above `mmap_threshold` (at most 32 MiB by default) with a
+fresh `mmap` and `munmap`s them on free, so every call of a jitted phase touches
+its buffers' pages for the first time again (hundreds of thousands of minor page
+faults per update). With a high mmap threshold and trim threshold the freed
+blocks stay in the heap and are reused by the next call with no faults
+(measurements: docs/performance.md).
 
 glibc reads `GLIBC_TUNABLES` only at process start, so the setting cannot be
 made from inside a running interpreter (`mallopt` caps the threshold at 2 GiB,

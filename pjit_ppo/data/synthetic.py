@@ -1,4 +1,4 @@
-"""Prompt batches as global arrays sharded over the batch axes.
+"""Random token prompts generated on the devices (demo and test data).
 
 Every batch is a pure function of (seed, iteration), so a resumed run sees the
 same prompts as an uninterrupted one.

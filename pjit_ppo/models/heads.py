@@ -38,9 +38,3 @@ def reward_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:
     raw = jnp.einsum("...d,d->...", hidden.astype(jnp.float32), head["w"]) + head["b"]
     return head["gain"] * raw + head["bias"]
 
-
-def last_true_index(mask: jax.Array) -> jax.Array:
-    """Index of the last True per row of a bool [B, T] mask (0 for an all-False row): int32 [B]."""
-    t = mask.shape[-1]
-    idx = jnp.where(mask, jnp.arange(t, dtype=jnp.int32), -1)
-    return jnp.maximum(jnp.max(idx, axis=-1), 0)

@@ -39,21 +39,25 @@ def _rows(weight, tokens, vocab_major):
     return rows.astype(jnp.float32)
 
 
-def _logits(hidden, weight, bias, vocab_major):
+def _logits(hidden, weight, bias, vocab_major, scale):
+    """float32 (hidden @ W + bias) * scale: the scale is applied to float32 logits, so a
+    bf16 compute dtype does not round 1 / temperature."""
     dims = ((1,), (1,)) if vocab_major else ((1,), (0,))
     logits = jax.lax.dot_general(hidden, weight.astype(hidden.dtype), (dims, ((), ())),
                                  preferred_element_type=jnp.float32)
-    return logits if bias is None else logits + bias.astype(jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    return logits if scale == 1.0 else logits * jnp.float32(scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _head_logprobs(hidden, weight, bias, tokens, vocab_major):
-    out, _ = _head_forward(hidden, weight, bias, tokens, vocab_major)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _head_logprobs(hidden, weight, bias, tokens, vocab_major, scale):
+    out, _ = _head_forward(hidden, weight, bias, tokens, vocab_major, scale)
     return out
 
 
-def _head_forward(hidden, weight, bias, tokens, vocab_major):
-    logits = _logits(hidden, weight, bias, vocab_major)
+def _head_forward(hidden, weight, bias, tokens, vocab_major, scale):
+    logits = _logits(hidden, weight, bias, vocab_major, scale)
     top = jnp.max(logits, axis=-1)
     e = jnp.exp(logits - top[:, None])
     ones = jnp.ones(e.shape[-1], e.dtype)
@@ -65,10 +69,12 @@ def _head_forward(hidden, weight, bias, tokens, vocab_major):
     return (picked - logz, entropy), residuals
 
 
-def _head_backward(vocab_major, residuals, cotangents):
+def _head_backward(vocab_major, scale, residuals, cotangents):
     hidden, weight, bias, tokens, e, inv_total = residuals
     g, _ = cotangents  # the entropy is a metric: no gradient through it
-    g = g.astype(jnp.float32)
+    # Every term below is linear in the cotangent of the scaled logits; the chain rule
+    # through `* scale` multiplies them all by scale.
+    g = g.astype(jnp.float32) * jnp.float32(scale)
     w = g * inv_total
     h32 = hidden.astype(jnp.float32)
     dtype = hidden.dtype  # the matmuls run in the compute dtype, accumulate in float32
@@ -95,18 +101,19 @@ _head_logprobs.defvjp(_head_forward, _head_backward)
 
 
 def head_token_logprobs(hidden: jax.Array, weight: jax.Array, bias: Optional[jax.Array],
-                        tokens: jax.Array, *, vocab_major: bool):
+                        tokens: jax.Array, *, vocab_major: bool, scale: float = 1.0):
     """Log-softmax of the LM head's logits at the chosen tokens, and the entropy.
 
     Args:
       hidden: [..., D] hidden states (any float dtype; the matmuls run in it and
-        accumulate in float32). Scale it by 1 / temperature beforehand.
+        accumulate in float32).
       weight: the head matrix, [V, D] if `vocab_major` (a tied embedding table)
         else [D, V], in its storage dtype (float32 master weights get a float32
         gradient); cast to hidden's dtype for the matmuls.
-      bias: [V] or None (scaled like hidden by the caller).
+      bias: [V] or None.
       tokens: int [...] chosen token ids.
       vocab_major: the layout of `weight`.
+      scale: static float multiplying the float32 logits (1 / temperature).
 
     Returns:
       (logprobs float32 [...], entropy float32 [...]). The entropy carries no
@@ -115,5 +122,5 @@ def head_token_logprobs(hidden: jax.Array, weight: jax.Array, bias: Optional[jax
     lead = tokens.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     logprobs, entropy = _head_logprobs(flat_hidden, weight, bias, tokens.reshape(-1),
-                                       vocab_major)
+                                       vocab_major, float(scale))
     return logprobs.reshape(lead), entropy.reshape(lead)

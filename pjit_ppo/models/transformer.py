@@ -411,16 +411,12 @@ def hidden_states(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
                    with_head=False, output_slice=output_slice)[0]
 
 
-def lm_head_logits(config: ModelConfig, params: hk.Params, hidden: jax.Array,
-                   scale: float = 1.0) -> jax.Array:
-    """LM head on hidden states [B, T, D] -> float32 logits [B, T, V], times `scale`.
+def lm_head_logits(config: ModelConfig, params: hk.Params, hidden: jax.Array) -> jax.Array:
+    """LM head on hidden states [B, T, D] -> float32 logits [B, T, V].
 
-    Lets callers apply the head to only the positions they need (e.g. response
-    tokens). `scale` (e.g. 1 / temperature) is applied to the hidden states and the
-    bias, which is exact and touches D instead of V values per position.
+    Lets callers apply the head to only the positions they need (e.g. the sampler's
+    last position). Temperature is the caller's: it divides these float32 logits.
     """
-    if scale != 1.0:
-        hidden = hidden * jnp.asarray(scale, hidden.dtype)
     if config.tie_word_embeddings:
         w = params["transformer/embed"]["embeddings"]
         return jnp.einsum("btd,vd->btv", hidden, w.astype(hidden.dtype),
@@ -429,7 +425,7 @@ def lm_head_logits(config: ModelConfig, params: hk.Params, hidden: jax.Array,
     logits = jnp.einsum("btd,dv->btv", hidden, head["w"].astype(hidden.dtype),
                         preferred_element_type=jnp.float32)
     if config.lm_head_bias:
-        logits = logits + head["b"] * scale
+        logits = logits + head["b"]
     return logits
 
 

@@ -1,1 +1,26 @@
-"""PPO math: advantages, losses and KL controllers (pure, jittable functions)."""
+"""Policy learning: collection, advantage estimators, losses, KL control, update, trainer.
+
+The names users import are re-exported here; the modules behind them may move.
+"""
+from pjit_ppo.config import PPOConfig
+from pjit_ppo.ppo import estimators, losses
+from pjit_ppo.ppo.assemble import make_critic, make_frozen, trunk_only
+from pjit_ppo.ppo.collect import collect
+from pjit_ppo.ppo.estimators import Estimator, gae, whiten
+from pjit_ppo.ppo.kl import kl_init, kl_update
+from pjit_ppo.ppo.losses import clipped_ppo_loss, policy_loss, value_loss
+from pjit_ppo.ppo.rewards import model_reward_fn, target_token_reward
+from pjit_ppo.ppo.rollout import rollout
+from pjit_ppo.ppo.run import Job, build, train
+from pjit_ppo.ppo.trainer import NonFiniteError, PPOTrainer, make_ppo_optimizer
+from pjit_ppo.ppo.types import (Experience, PPOModels, PromptFn, RewardFn, RolloutBatch,
+                                TrainState)
+from pjit_ppo.ppo.update import epoch_permutations, update
+
+__all__ = [
+    "PPOConfig", "estimators", "losses", "make_critic", "make_frozen", "trunk_only", "collect",
+    "Estimator", "gae", "whiten", "kl_init", "kl_update", "clipped_ppo_loss", "policy_loss",
+    "value_loss", "model_reward_fn", "target_token_reward", "rollout", "Job", "build", "train",
+    "NonFiniteError", "PPOTrainer", "make_ppo_optimizer", "Experience", "PPOModels", "PromptFn",
+    "RewardFn", "RolloutBatch", "TrainState", "epoch_permutations", "update",
+]

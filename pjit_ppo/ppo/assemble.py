@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pjit_ppo import sharding
 from pjit_ppo.models import heads
 
 
@@ -22,8 +23,8 @@ def _copy(tree, dtype=None):
     def cast(x):
         return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) \
             else x
-    shardings = jax.tree_util.tree_map(lambda x: x.sharding, tree)
-    return jax.jit(lambda t: jax.tree_util.tree_map(lambda x: jnp.copy(cast(x)), t),
+    shardings = jax.tree.map(lambda x: x.sharding, tree)
+    return jax.jit(lambda t: jax.tree.map(lambda x: jnp.copy(cast(x)), t),
                    out_shardings=shardings)(tree)
 
 
@@ -38,16 +39,12 @@ def make_critic(trunk_params: dict, d_model: int, mesh=None) -> dict:
     critic = _copy(trunk_only(trunk_params))
     head = heads.init_value_head(d_model)
     if mesh is not None:
-        head = jax.device_put(head, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        head = jax.device_put(head, sharding.replicated(mesh))
     critic.update(head)
     return critic
 
 
-def make_reference(policy_params: dict, compute_dtype: str) -> dict:
-    """Frozen reference: a copy of the policy in the compute dtype."""
-    return _copy(policy_params, jnp.dtype(compute_dtype))
-
-
 def make_frozen(params: dict, compute_dtype: str) -> dict:
-    """A frozen inference copy of any model (compute dtype, no optimizer state)."""
+    """A frozen inference copy of a model (the reference policy, the reward model):
+    new buffers in the compute dtype, no optimizer state."""
     return _copy(params, jnp.dtype(compute_dtype))

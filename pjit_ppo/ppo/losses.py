@@ -1,13 +1,13 @@
-"""PPO losses (clipped policy and value objectives) and entropy."""
+"""PPO losses: the clipped policy and value objectives, and the loss the update differentiates."""
+from __future__ import annotations
 
 from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp
 
+from pjit_ppo.ppo import scoring
 from pjit_ppo.ppo.masked import masked_mean, masked_var
-
-__all__ = ["policy_loss", "value_loss", "entropy_from_logits", "masked_mean", "masked_var"]
 
 
 def policy_loss(
@@ -84,21 +84,32 @@ def value_loss(
     return loss, stats
 
 
-def entropy_from_logits(logits: jax.Array) -> jax.Array:
-    """Entropy of softmax(logits) over the last axis.
 
-    Computed as logsumexp(l) - sum(p * l), in float32 (bf16 input is upcast).
-    Tokens with -inf logits (banned tokens) contribute 0.
+def clipped_ppo_loss(cfg, models, params, mb) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+    """Clipped policy loss + vf_coef * clipped value loss on one micro-batch.
 
     Args:
-      logits: float [..., vocab].
-
+      cfg: PPOConfig; models: PPOModels; params: the trainable tree;
+      mb: a RolloutBatch micro-batch [b, ...].
     Returns:
-      float32 [...].
+      (loss, stats) with float32 scalar stats named as the metrics they become.
     """
-    logits = logits.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    probs = jnp.exp(logits - logz)
-    # 0 * -inf is NaN; replace non-finite logits before the product (also keeps grads finite).
-    safe_logits = jnp.where(jnp.isfinite(logits), logits, 0.0)
-    return logz[..., 0] - jnp.sum(probs * safe_logits, axis=-1)
+    logprobs, values, entropy = scoring.policy_logprobs_and_values(
+        cfg, models, params, mb.query, mb.query_mask, mb.response, with_entropy=True)
+    mask = jnp.ones(mb.response.shape, jnp.float32)
+    pg_loss, pg = policy_loss(logprobs, mb.logprobs, mb.advantages, mask, cfg.cliprange)
+    vf_loss, vf = value_loss(values, mb.values, mb.returns, mask, cfg.cliprange_value)
+    loss = pg_loss + cfg.vf_coef * vf_loss
+    stats = {
+        "ppo/policy/approxkl_avg": pg["approxkl"],
+        "ppo/policy/clipfrac_avg": pg["clipfrac"],
+        "ppo/policy/entropy_avg": jnp.mean(entropy),
+        "ppo/loss/policy_avg": pg_loss,
+        "ppo/loss/value_avg": vf_loss,
+        "ppo/loss/total": loss,
+        "ppo/val/clipfrac_avg": vf["clipfrac"],
+        "ppo/val/error": vf["error"],
+        "ppo/val/vpred": vf["vpred"],
+        "ppo/val/ratio_avg": pg["ratio"],
+    }
+    return loss, stats

@@ -1,4 +1,4 @@
-"""What PPO asks of the four models, on query+response sequences.
+"""The model passes PPO makes on query+response sequences (policy, reference, critic, reward).
 
 Queries are left-padded [B, Q] with a mask; responses are [B, R]. The logits that
 predict response token t sit at sequence position Q - 1 + t, so the LM head is
@@ -12,10 +12,11 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from pjit_ppo import padding
 from pjit_ppo.models import heads
 from pjit_ppo.models.config import ModelConfig
+from pjit_ppo.models.token_logprobs import head_token_logprobs
 from pjit_ppo.models.transformer import hidden_states, lm_head_weights
-from pjit_ppo.ppo.token_logprobs import head_token_logprobs
 
 
 def _sequence(query, query_mask, response, response_mask):
@@ -39,17 +40,12 @@ def logprobs_from_hidden(config: ModelConfig, params, hidden, response, temperat
     """Log-probabilities of `response` under logits / temperature.
 
     hidden: [B, R, D]; response: int32 [B, R]. Returns float32 logprobs [B, R] and,
-    if with_entropy, the per-token entropy [B, R] of the same distribution.
+    if with_entropy, the per-token entropy [B, R] of the same distribution. The
+    temperature divides the float32 logits (also with a bf16 compute dtype).
     """
-    # 1/temperature scales the hidden states and the bias: exact, and D (not V)
-    # values per position.
-    scale = 1.0 / temperature
     weight, bias, vocab_major = lm_head_weights(config, params)
-    hidden = hidden * jnp.asarray(scale, hidden.dtype)
-    if bias is not None:
-        bias = bias * scale
     logprobs, entropy = head_token_logprobs(hidden, weight, bias, response,
-                                            vocab_major=vocab_major)
+                                            vocab_major=vocab_major, scale=1.0 / temperature)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
@@ -79,6 +75,26 @@ def sequence_reward(config: ModelConfig, reward_params, query, query_mask, respo
     start = query.shape[1] - 1
     hidden = hidden_states(config, reward_params, ids, mask,
                            output_slice=(start, ids.shape[1]))
-    last = jnp.maximum(heads.last_true_index(mask) - start, 0)
+    last = jnp.maximum(padding.last_true_index(mask) - start, 0)
     h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     return heads.reward_from_hidden(reward_params, h_last)
+
+
+def policy_logprobs_and_values(cfg, models, params, query, query_mask, response,
+                               with_entropy=False):
+    """Policy logprobs (temperature-scaled) and critic values for a batch: [B, R] each.
+
+    cfg: the PPOConfig (temperature, shared_trunk); models: the run's PPOModels;
+    params: the trainable tree ({"policy", "critic"} or {"policy", "value_head"}).
+    With `with_entropy`, also the per-token entropy [B, R] of the policy.
+    """
+    hidden = response_hidden(models.policy, params["policy"], query, query_mask, response)
+    out = logprobs_from_hidden(models.policy, params["policy"], hidden, response,
+                               cfg.temperature, with_entropy)
+    if cfg.shared_trunk:
+        values = heads.value_from_hidden(params, hidden)
+    else:
+        values = response_values(models.critic, params["critic"], query, query_mask, response)
+    if with_entropy:
+        return out[0], values, out[1]
+    return out, values

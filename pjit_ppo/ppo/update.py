@@ -8,62 +8,15 @@ micro-batch of every minibatch of every epoch, i.e. over the whole batch.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
 import optax
 
+from pjit_ppo.config import PPOConfig
 from pjit_ppo.optim import current_lr
-from pjit_ppo.ppo.config import PPOConfig
-from pjit_ppo.ppo.kl import KLControllerConfig, kl_update
-from pjit_ppo.ppo.losses import policy_loss, value_loss
-from pjit_ppo.ppo.rollout import PPOModels, RolloutBatch, policy_logprobs_and_values
-
-
-class TrainState(NamedTuple):
-    """Everything that changes during training (checkpointed as a whole).
-
-    params: {"policy": ..., "critic": ...} or {"policy": ..., "value_head": ...}.
-    opt_state: optax state, sharded like params.
-    kl_coef: float32 scalar.
-    iteration: int32 scalar, number of completed PPO iterations.
-    """
-    params: Any
-    opt_state: Any
-    kl_coef: jax.Array
-    iteration: jax.Array
-
-
-def kl_config(cfg: PPOConfig) -> KLControllerConfig:
-    return KLControllerConfig(kind=cfg.kl_controller, init_kl_coef=cfg.init_kl_coef,
-                              target=cfg.kl_target, horizon=cfg.kl_horizon)
-
-
-def ppo_loss(cfg: PPOConfig, models: PPOModels, params, mb: RolloutBatch):
-    """Clipped policy loss + vf_coef * clipped value loss on one micro-batch.
-
-    Returns (loss, stats) with stats float32 scalars named as in REFERENCE.md.
-    """
-    logprobs, values, entropy = policy_logprobs_and_values(
-        cfg, models, params, mb.query, mb.query_mask, mb.response, with_entropy=True)
-    mask = jnp.ones(mb.response.shape, jnp.float32)
-    pg_loss, pg = policy_loss(logprobs, mb.logprobs, mb.advantages, mask, cfg.cliprange)
-    vf_loss, vf = value_loss(values, mb.values, mb.returns, mask, cfg.cliprange_value)
-    loss = pg_loss + cfg.vf_coef * vf_loss
-    stats = {
-        "ppo/policy/approxkl_avg": pg["approxkl"],
-        "ppo/policy/clipfrac_avg": pg["clipfrac"],
-        "ppo/policy/entropy_avg": jnp.mean(entropy),
-        "ppo/loss/policy_avg": pg_loss,
-        "ppo/loss/value_avg": vf_loss,
-        "ppo/loss/total": loss,
-        "ppo/val/clipfrac_avg": vf["clipfrac"],
-        "ppo/val/error": vf["error"],
-        "ppo/val/vpred": vf["vpred"],
-        "ppo/val/ratio_avg": pg["ratio"],
-    }
-    return loss, stats
+from pjit_ppo.ppo import estimators
+from pjit_ppo.ppo.kl import kl_update
+from pjit_ppo.ppo.types import PPOModels, RolloutBatch, TrainState
 
 
 def epoch_permutations(cfg: PPOConfig, key: jax.Array) -> jax.Array:
@@ -86,33 +39,34 @@ def update(cfg: PPOConfig, models: PPOModels, optimizer: optax.GradientTransform
       batch: RolloutBatch with global batch size cfg.batch_size.
       rollout_kl: float32 scalar, batch mean of the summed per-token KL (objective/kl);
         the adaptive KL controller is updated from this global mean.
-      key: PRNG key of this iteration's update (epoch keys are folded from it).
+      key: PRNG key of this iteration's update (epoch keys are split from it).
       batch_constraint: optional function applied to each gathered micro-batch
         (a sharding constraint that keeps it split over the batch axes).
     Returns:
       (new TrainState, dict of float32 scalar metrics).
     """
     nmb, gas, micro = cfg.nminibatches, cfg.gradient_accumulation_steps, cfg.microbatch_size
-    grad_fn = jax.value_and_grad(lambda p, mb: ppo_loss(cfg, models, p, mb), has_aux=True)
-    stats_shape = jax.eval_shape(lambda: ppo_loss(cfg, models, state.params, jax.tree_util.tree_map(
+    loss_fn = estimators.get(cfg.advantage_estimator).loss
+    grad_fn = jax.value_and_grad(lambda p, mb: loss_fn(cfg, models, p, mb), has_aux=True)
+    stats_shape = jax.eval_shape(lambda: loss_fn(cfg, models, state.params, jax.tree.map(
         lambda x: x[:micro], batch))[1])
-    zero_stats = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
+    zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
 
     def minibatch_step(carry, idx):  # idx: int32 [gas, micro]
         params, opt_state = carry
 
         def micro_step(acc, micro_idx):
             grads_acc, stats_acc = acc
-            mb = jax.tree_util.tree_map(lambda x: jnp.take(x, micro_idx, axis=0), batch)
+            mb = jax.tree.map(lambda x: jnp.take(x, micro_idx, axis=0), batch)
             if batch_constraint is not None:
                 mb = batch_constraint(mb)
             (_, stats), grads = grad_fn(params, mb)
-            return (jax.tree_util.tree_map(jnp.add, grads_acc, grads),
-                    jax.tree_util.tree_map(jnp.add, stats_acc, stats)), None
+            return (jax.tree.map(jnp.add, grads_acc, grads),
+                    jax.tree.map(jnp.add, stats_acc, stats)), None
 
-        zero_grads = jax.tree_util.tree_map(jnp.zeros_like, params)
+        zero_grads = jax.tree.map(jnp.zeros_like, params)
         (grads, stats), _ = jax.lax.scan(micro_step, (zero_grads, zero_stats), idx)
-        grads = jax.tree_util.tree_map(lambda g: g / gas, grads)
+        grads = jax.tree.map(lambda g: g / gas, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return (params, opt_state), stats
@@ -124,8 +78,8 @@ def update(cfg: PPOConfig, models: PPOModels, optimizer: optax.GradientTransform
     (params, opt_state), stats = jax.lax.scan(epoch_step, (state.params, state.opt_state),
                                               epoch_permutations(cfg, key))
     # stats: [epochs, minibatches] of sums over micro-batches of equal size -> whole-batch mean.
-    metrics = jax.tree_util.tree_map(lambda s: jnp.sum(s) / (cfg.noptepochs * nmb * gas), stats)
+    metrics = jax.tree.map(lambda s: jnp.sum(s) / (cfg.noptepochs * nmb * gas), stats)
     metrics["ppo/lr"] = current_lr(opt_state)
-    kl_coef = kl_update(kl_config(cfg), state.kl_coef, rollout_kl, cfg.batch_size)
+    kl_coef = kl_update(cfg, state.kl_coef, rollout_kl, cfg.batch_size)
     new_state = TrainState(params, opt_state, kl_coef, state.iteration + 1)
     return new_state, metrics

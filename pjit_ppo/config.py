@@ -1,0 +1,340 @@
+"""The one typed run config: every section, its defaults, its documentation, its checks.
+
+A recipe file (`configs/*.py`) defines `get_config(arg="") -> RunConfig`;
+`ml_collections.config_flags.DEFINE_config_file` reads it and applies dotted
+overrides (`--config.ppo.lr=1e-6`) to these dataclasses. Each field is documented
+where it is defined, below. The classes use `__slots__`, so assigning a field that
+does not exist (a typo in a recipe or an override) fails instead of being ignored.
+
+Validation lives here and only here: `RunConfig.validate()` checks every section
+(and how sections relate, e.g. a critic initialised from a reward model needs one)
+and raises `ConfigError` naming the field, its value and the fix. Library code
+that receives a section (`PPOConfig`, `SamplingOptions`) validates it through the
+same methods.
+
+Run length has one source: `RunConfig.num_updates` (= `num_iterations` when > 0,
+else `ppo.total_episodes // ppo.batch_size`); the loop length, the LR anneal and
+the console ETA all use it.
+"""
+import dataclasses
+import math
+from typing import Any, Dict, Optional, Tuple
+
+#: Allowed values of the enum-like fields, in one place.
+OPTIMIZERS = ("tf_adam", "adam")
+KL_CONTROLLERS = ("adaptive", "fixed")
+CRITIC_INITS = ("reward", "policy")
+ADVANTAGE_ESTIMATORS = ("gae",)
+TOP_P_MODES = ("transformers", "lm_human_preferences")
+REWARD_KINDS = ("model", "target_tokens")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field, the value and the fix."""
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _choice(field: str, value: Any, allowed: Tuple[str, ...]) -> None:
+    _need(value in allowed, f"{field}={value!r}; choose one of {', '.join(map(repr, allowed))}")
+
+
+def _finite_number(field: str, value: Any) -> None:
+    _need(isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value), f"{field}={value!r} must be a finite number")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """Static options of the KV-cache sampler (Python values, compiled into the program).
+
+    Attributes:
+      max_new_tokens: tokens generated per row (always exactly this many).
+      temperature: logits are divided by it, for sampling and for the returned
+        log-probs. Must be > 0 (it does not change which token `greedy` picks).
+      top_k: keep only the k most likely tokens when sampling (0 = off).
+      top_p: nucleus sampling threshold in (0, 1] (1.0 = off), applied after top_k.
+      top_p_mode: which tokens the nucleus keeps. "transformers": the smallest set
+        of most likely tokens whose mass reaches top_p (the token that crosses top_p
+        is kept). "lm_human_preferences": only the tokens whose running total,
+        itself included, is <= top_p (and at least the most likely token).
+      greedy: pick the argmax instead of sampling (top_k / top_p are ignored).
+      stop_token: once a row emits this id at index >= min_new_tokens, its later
+        tokens become pad_token_id with log-prob 0. None = never stop.
+      min_new_tokens: stop tokens before this index do not stop a row (None = 0).
+      pad_token_id: id written after a stop token; required with stop_token.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    top_p_mode: str = "transformers"
+    greedy: bool = False
+    stop_token: Optional[int] = None
+    min_new_tokens: Optional[int] = None
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "top_k"):
+            value = getattr(self, name)
+            _need(isinstance(value, int) and not isinstance(value, bool),
+                  f"{name} must be a Python int (static), got {value!r}")
+        _need(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _need(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            _need(isinstance(value, (int, float)) and not isinstance(value, bool),
+                  f"{name} must be a Python float (static), got {type(value).__name__}; "
+                  f"sampling options are compiled into the function")
+        _need(self.temperature > 0, f"temperature must be > 0 (it also scales the returned "
+                                    f"logprobs), got {self.temperature}")
+        _need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1] (1.0 = off), got {self.top_p}")
+        _choice("top_p_mode", self.top_p_mode, TOP_P_MODES)
+        if self.stop_token is not None:
+            _need(self.pad_token_id is not None,
+                  "stop_token is set but pad_token_id is None: pass pad_token_id, the id "
+                  "written after a row's stop token")
+        if self.min_new_tokens is not None:
+            _need(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+                  f"min_new_tokens must be a Python int >= 0, got {self.min_new_tokens!r}")
+
+
+@dataclasses.dataclass(slots=True)
+class PPOConfig:
+    """Policy learning. Defaults follow lm-human-preferences' sentiment recipe except
+    where noted (`docs/semantics.md` lists the semantics and the differences).
+
+    The library's functions close over this object when they compile; change it
+    before building a trainer, not after.
+    """
+
+    # Sizes.
+    query_length: int = 64               # prompt tokens (left-padded / truncated to this)
+    response_length: int = 24            # sampled tokens per episode (always exactly this many)
+    batch_size: int = 512                # episodes per PPO iteration, global over all devices
+    nminibatches: int = 1                # optimizer steps per epoch
+    noptepochs: int = 4                  # passes over the batch per iteration, fresh shuffle each
+    gradient_accumulation_steps: int = 1  # micro-batches per minibatch (a memory knob only)
+    total_episodes: int = 1_000_000      # run length when num_iterations <= 0
+
+    # Sampling (the temperature also divides the logits of every log-prob in training).
+    temperature: float = 0.7
+    top_k: int = 0                       # 0 = off
+    top_p: float = 1.0                   # 1.0 = off
+    top_p_mode: str = "transformers"     # see SamplingOptions.top_p_mode
+
+    # Post-processing of responses before the reward sees them.
+    truncate_token: Optional[int] = 13   # stop token id (GPT-2 '.'); None disables truncation
+    truncate_after: int = 16             # only stop tokens at index >= this count
+    penalty_reward_value: float = -1.0   # score of a response without a stop token
+
+    # Losses.
+    cliprange: float = 0.2               # policy ratio clipped to [1 - c, 1 + c]
+    cliprange_value: float = 0.2         # value prediction clipped to old +- c
+    vf_coef: float = 0.1                 # value loss weight (see docs: barely matters with a
+    #                                      separate critic and per-parameter Adam)
+    gamma: float = 1.0                   # discount
+    lam: float = 0.95                    # GAE lambda
+    whiten_rewards: bool = True          # rewards scaled to unit variance (mean kept)
+    advantage_estimator: str = "gae"     # estimator + loss pair (pjit_ppo.ppo.estimators)
+
+    # Optimisation.
+    optimizer: str = "tf_adam"           # "tf_adam" (eps on the uncorrected moment) or "adam"
+    lr: float = 1e-5
+    eps: float = 1e-5                    # Adam epsilon
+    anneal_lr: bool = True               # linear to 0 over the run's updates, constant within one
+    max_grad_norm: Optional[float] = None  # global-norm gradient clipping; None = off
+
+    # KL penalty.
+    kl_controller: str = "adaptive"      # "adaptive" (Ziegler et al. 2019) or "fixed"
+    init_kl_coef: float = 0.15
+    kl_target: float = 6.0               # nats per episode (adaptive only)
+    kl_horizon: int = 10000              # episodes (adaptive only)
+
+    # Models. Unlike lm-human-preferences (value head on the policy trunk), the critic
+    # is a separate model by default, initialised from the reward model's trunk.
+    critic_init: str = "reward"          # "reward" or "policy": where the critic's trunk comes from
+    shared_trunk: bool = False           # value head on the policy trunk (no separate critic)
+    recompute_rollout_logprobs: bool = True  # recompute old logprobs with a full forward
+    #                                          (exact reference semantics) instead of the sampler's
+
+    seed: int = 1                        # base seed of every random stream of the run
+    pad_token_id: int = 50259            # pad id of prompts and truncated responses
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.nminibatches
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.minibatch_size // self.gradient_accumulation_steps
+
+    def sampling_options(self) -> SamplingOptions:
+        """The sampler's options for a rollout: response_length tokens, no early stop."""
+        return SamplingOptions(max_new_tokens=self.response_length, temperature=self.temperature,
+                               top_k=self.top_k, top_p=self.top_p, top_p_mode=self.top_p_mode)
+
+    def validate(self) -> "PPOConfig":
+        """Checks every field; raises ConfigError naming the field and the fix."""
+        for name in ("query_length", "response_length", "batch_size", "nminibatches",
+                     "noptepochs", "gradient_accumulation_steps", "total_episodes",
+                     "kl_horizon"):
+            value = getattr(self, name)
+            _need(isinstance(value, int) and value >= 1, f"ppo.{name}={value!r} must be an "
+                                                         f"integer >= 1")
+        for name in ("temperature", "top_p", "cliprange", "cliprange_value", "vf_coef", "gamma",
+                     "lam", "lr", "eps", "init_kl_coef", "kl_target", "penalty_reward_value"):
+            _finite_number(f"ppo.{name}", getattr(self, name))
+        _need(self.batch_size % self.nminibatches == 0,
+              f"ppo.batch_size={self.batch_size} is not divisible by ppo.nminibatches="
+              f"{self.nminibatches}; pick a batch size that is a multiple of it")
+        _need(self.minibatch_size % self.gradient_accumulation_steps == 0,
+              f"minibatch size {self.minibatch_size} (ppo.batch_size / ppo.nminibatches) is not "
+              f"divisible by ppo.gradient_accumulation_steps={self.gradient_accumulation_steps}")
+        _need(self.total_episodes >= self.batch_size,
+              f"ppo.total_episodes={self.total_episodes} < ppo.batch_size={self.batch_size}: the "
+              f"run would do no update")
+        _choice("ppo.optimizer", self.optimizer, OPTIMIZERS)
+        _choice("ppo.kl_controller", self.kl_controller, KL_CONTROLLERS)
+        _choice("ppo.critic_init", self.critic_init, CRITIC_INITS)
+        _choice("ppo.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            _need(0.0 <= value <= 1.0, f"ppo.{name}={value} must be in [0, 1]")
+        _need(self.lr >= 0, f"ppo.lr={self.lr} must be >= 0")
+        _need(self.eps > 0, f"ppo.eps={self.eps} must be > 0")
+        if self.max_grad_norm is not None:
+            _finite_number("ppo.max_grad_norm", self.max_grad_norm)
+            _need(self.max_grad_norm > 0, f"ppo.max_grad_norm={self.max_grad_norm} must be > 0 "
+                                          f"(or None to disable clipping)")
+        try:
+            self.sampling_options()
+        except ConfigError as e:
+            raise ConfigError(f"ppo.{e}") from None
+        return self
+
+
+@dataclasses.dataclass(slots=True)
+class MeshConfig:
+    """Device mesh sizes; one of them may be -1 (= all remaining devices)."""
+
+    data: int = 1      # pure data parallelism (parameters replicated)
+    fsdp: int = -1     # batch and parameters sharded (ZeRO-3 style)
+    tensor: int = 1    # heads / mlp / vocab sharded within a layer
+
+    def validate(self) -> "MeshConfig":
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, value in sizes.items():
+            _need(isinstance(value, int) and (value >= 1 or value == -1),
+                  f"mesh.{name}={value!r} must be a positive integer or -1")
+        _need(list(sizes.values()).count(-1) <= 1,
+              f"at most one mesh axis may be -1, got {sizes}")
+        return self
+
+
+@dataclasses.dataclass(slots=True)
+class ModelOptions:
+    """Where the policy comes from and how every model computes."""
+
+    policy_path: str = ""             # HF model directory; "" = random init from `random`
+    compute_dtype: str = "float32"    # activations and matmuls; "bfloat16" on accelerators
+    remat_policy: str = "none"        # "none", "full", or a jax.checkpoint_policies name
+    scan_unroll: int = 1              # layers per scan step (n_layers = fully unrolled)
+    random: Dict[str, Any] = dataclasses.field(default_factory=dict)  # HF config.json dict
+    #                                   of a randomly initialised model (demos, tests, planning)
+
+    def validate(self) -> "ModelOptions":
+        _choice("model.compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        _need(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1,
+              f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1")
+        _need(bool(self.policy_path) or bool(self.random),
+              "model.policy_path is empty and model.random is empty: point model.policy_path "
+              "at an HF model directory or give model.random an HF config dict")
+        return self
+
+    def overrides(self) -> Dict[str, Any]:
+        """The ModelConfig fields this section sets on every model it loads."""
+        return dict(compute_dtype=self.compute_dtype, remat_policy=self.remat_policy,
+                    scan_unroll=self.scan_unroll)
+
+
+@dataclasses.dataclass(slots=True)
+class RewardOptions:
+    """The reward the policy is trained against."""
+
+    kind: str = "target_tokens"       # "model" (a reward model) or "target_tokens" (demo)
+    path: str = ""                    # HF directory of the reward trunk ("" = model.random)
+    head_seed: int = 0                # reward head init N(0, 1/sqrt(d + 1)) until trained
+    target_ids: Tuple[int, ...] = (5, 6, 7)  # kind="target_tokens": the rewarded token ids
+
+    def validate(self) -> "RewardOptions":
+        _choice("reward.kind", self.kind, REWARD_KINDS)
+        if self.kind == "target_tokens":
+            _need(len(self.target_ids) > 0, "reward.target_ids is empty: list the token ids "
+                                            "the target_tokens reward counts")
+        return self
+
+
+@dataclasses.dataclass(slots=True)
+class DataOptions:
+    """Prompts. Today: random token prompts generated on the devices."""
+
+    min_prompt_length: int = 1        # prompt lengths are uniform in [this, ppo.query_length]
+    low_token: int = 0                # prompt tokens are uniform in [low_token, vocab_size)
+
+    def validate(self) -> "DataOptions":
+        _need(self.min_prompt_length >= 1,
+              f"data.min_prompt_length={self.min_prompt_length} must be >= 1")
+        _need(self.low_token >= 0, f"data.low_token={self.low_token} must be >= 0")
+        return self
+
+
+@dataclasses.dataclass(slots=True)
+class RunConfig:
+    """A whole PPO run: the sections above plus run-level switches."""
+
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    model: ModelOptions = dataclasses.field(default_factory=ModelOptions)
+    reward: RewardOptions = dataclasses.field(default_factory=RewardOptions)
+    data: DataOptions = dataclasses.field(default_factory=DataOptions)
+    num_iterations: int = -1          # PPO iterations; <= 0: ppo.total_episodes // ppo.batch_size
+    tensorboard: bool = True          # also write TensorBoard event files
+    measure_peak: bool = True         # measure a matmul peak at start-up for MFU metrics
+
+    @property
+    def num_updates(self) -> int:
+        """The run length in PPO iterations (the one source for loop, LR anneal and ETA)."""
+        if self.num_iterations > 0:
+            return self.num_iterations
+        return self.ppo.total_episodes // self.ppo.batch_size
+
+    def validate(self) -> "RunConfig":
+        """Checks every section and how they relate; raises ConfigError."""
+        self.ppo.validate()
+        self.mesh.validate()
+        self.model.validate()
+        self.reward.validate()
+        self.data.validate()
+        _need(isinstance(self.num_iterations, int), f"num_iterations={self.num_iterations!r} "
+                                                    f"must be an integer")
+        _need(self.data.min_prompt_length <= self.ppo.query_length,
+              f"data.min_prompt_length={self.data.min_prompt_length} exceeds ppo.query_length="
+              f"{self.ppo.query_length}")
+        if not self.ppo.shared_trunk and self.ppo.critic_init == "reward":
+            _need(self.reward.kind == "model",
+                  f"ppo.critic_init='reward' needs reward.kind='model' (got "
+                  f"{self.reward.kind!r}); use ppo.critic_init='policy' with a synthetic reward")
+        return self
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready nested dict of every field."""
+        return dataclasses.asdict(self)
