@@ -5,7 +5,7 @@
 #
 # It uses the machine's own python3 and its CUDA jax. Pure-Python packages the
 # image may lack (dm-haiku, ml-collections, tensorboardX) travel as wheels in
-# .whl/ (see WORKSPACE.md, "GPU machine"); without .whl/ it falls back to pip.
+# .whl/ (for a machine without internet, see WORKSPACE.md); without .whl/ it falls back to pip.
 # Usage, from the repo root on the GPU machine: bash benchmarks/device_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,14 +25,17 @@ def main(argv):
     import jax  # after the malloc re-exec and flag parsing
     from pjit_ppo.config import ConfigError
     from pjit_ppo.ppo import run
+    from pjit_ppo.ppo.trainer import NonFiniteError
 
     jax.config.config_with_absl()
     try:
         last = run.train(_CONFIG.value, _WORKDIR.value)
     except ConfigError as e:
-        logging.error("invalid config: %s", e)
         print(f"error: invalid config: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as e:
+        print(f"error: training stopped: {e}", file=sys.stderr)
+        sys.exit(1)
     logging.info("final metrics: %s", {k: round(v, 4) for k, v in sorted(last.items())})
 
 

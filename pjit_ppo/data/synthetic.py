@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pjit_ppo import sharding
+from pjit_ppo import rng, sharding
 from pjit_ppo.padding import right_to_left_padding
 
 
@@ -41,9 +41,7 @@ def synthetic_prompts(mesh: Mesh, *, batch_size: int, query_length: int, vocab_s
                                      query_length=query_length, low=low, high=vocab_size,
                                      min_length=min_length, pad_id=pad_id),
                    out_shardings=(out, out))
-    base = jax.random.PRNGKey(seed)
-
     def prompts(iteration: int):
-        return make(jax.random.fold_in(base, iteration))
+        return make(rng.stream_key(seed, "prompts", iteration))
 
     return prompts

@@ -124,7 +124,6 @@ def gae_advantages(cfg: PPOConfig, exp: Experience, kl_coef: jax.Array
         "ppo/val/mean": jnp.mean(values),
         "ppo/val/var": jnp.var(values),
         "ppo/val/advantage": jnp.mean(advantages),
-        "ppo/val/var_explained": 1.0 - masked_var(returns - values) / masked_var(returns),
     }
     return advantages, returns, metrics
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from pjit_ppo import flops as flops_lib
 from pjit_ppo import metrics as metrics_lib
-from pjit_ppo import sharding
+from pjit_ppo import rng, sharding
 from pjit_ppo.config import PPOConfig
 from pjit_ppo.optim import make_optimizer
 from pjit_ppo.ppo.kl import kl_init
@@ -39,10 +39,10 @@ def make_ppo_optimizer(cfg: PPOConfig, num_updates: int) -> optax.GradientTransf
 
 
 def iteration_keys(cfg: PPOConfig, iteration: int) -> Tuple[jax.Array, jax.Array]:
-    """(sampling key, update key) of one iteration: fresh per iteration, same after resume."""
-    key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), iteration)
-    sample_key, update_key = jax.random.split(key)
-    return sample_key, update_key
+    """(sampling key, update key) of one iteration: own streams, fresh per iteration,
+    the same after a resume."""
+    return (rng.stream_key(cfg.seed, "sample", iteration),
+            rng.stream_key(cfg.seed, "update", iteration))
 
 
 class NonFiniteError(FloatingPointError):
@@ -56,6 +56,8 @@ GUARDED = (
     ("objective/kl", "the policy's log-probs diverged from the reference: lower ppo.lr or "
                      "set ppo.max_grad_norm"),
     ("ppo/loss/total", "the loss is not finite: lower ppo.lr or set ppo.max_grad_norm"),
+    ("ppo/grad_norm", "the gradients are not finite: lower ppo.lr or set ppo.max_grad_norm "
+                      "(with bf16 compute, also check for overflow)"),
 )
 
 

@@ -67,19 +67,25 @@ def update(cfg: PPOConfig, models: PPOModels, optimizer: optax.GradientTransform
         zero_grads = jax.tree.map(jnp.zeros_like, params)
         (grads, stats), _ = jax.lax.scan(micro_step, (zero_grads, zero_stats), idx)
         grads = jax.tree.map(lambda g: g / gas, grads)
+        grad_norm = optax.global_norm(grads)  # before any clipping
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return (params, opt_state), stats
+        return (params, opt_state), (stats, grad_norm)
 
     def epoch_step(carry, perm):
         carry, stats = jax.lax.scan(minibatch_step, carry, perm.reshape(nmb, gas, micro))
         return carry, stats
 
-    (params, opt_state), stats = jax.lax.scan(epoch_step, (state.params, state.opt_state),
-                                              epoch_permutations(cfg, key))
+    (params, opt_state), (stats, grad_norms) = jax.lax.scan(
+        epoch_step, (state.params, state.opt_state), epoch_permutations(cfg, key))
     # stats: [epochs, minibatches] of sums over micro-batches of equal size -> whole-batch mean.
     metrics = jax.tree.map(lambda s: jnp.sum(s) / (cfg.noptepochs * nmb * gas), stats)
+    metrics["ppo/grad_norm"] = jnp.mean(grad_norms)
     metrics["ppo/lr"] = current_lr(opt_state)
+    if "ppo/val/error" in metrics:
+        # lm-human-preferences' definition: an update-time metric. NaN (written as null)
+        # when every return is equal.
+        metrics["ppo/val/var_explained"] = 1.0 - metrics["ppo/val/error"] / jnp.var(batch.returns)
     kl_coef = kl_update(cfg, state.kl_coef, rollout_kl, cfg.batch_size)
     new_state = TrainState(params, opt_state, kl_coef, state.iteration + 1)
     return new_state, metrics
