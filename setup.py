@@ -21,6 +21,7 @@ setuptools.setup(
         "optax==0.2.8",
         "absl-py>=2.5,<3",
         "ml-collections==1.1.0",
+        "orbax-checkpoint==0.12.8",
         "numpy>=1.26",
         "ml_dtypes>=0.4",
         "tensorboardX>=2.6",
@@ -33,6 +34,8 @@ setuptools.setup(
     entry_points={
         "console_scripts": [
             "pjit-ppo-train = pjit_ppo.cli.train_ppo:run_main",
+            "pjit-ppo-evaluate = pjit_ppo.cli.evaluate:run_main",
+            "pjit-ppo-export = pjit_ppo.cli.export_hf:run_main",
         ],
     },
 )

@@ -17,6 +17,7 @@ else `ppo.total_episodes // ppo.batch_size`); the loop length, the LR anneal and
 the console ETA all use it.
 """
 import dataclasses
+import json
 import math
 from typing import Any, Dict, Optional, Tuple
 
@@ -24,7 +25,13 @@ from typing import Any, Dict, Optional, Tuple
 OPTIMIZERS = ("tf_adam", "adam")
 KL_CONTROLLERS = ("adaptive", "fixed")
 CRITIC_INITS = ("reward", "policy")
-ADVANTAGE_ESTIMATORS = ("gae",)
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
+#: Estimators without a critic (pjit_ppo.ppo.estimators.ESTIMATORS[...].uses_critic False)
+#: and those whose advantages need at least two samples of each prompt.
+CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+GROUP_ESTIMATORS = ("grpo", "rloo")
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "sequence_sum")
+IMPORTANCE_RATIOS = ("token", "sequence")
 TOP_P_MODES = ("transformers", "lm_human_preferences")
 REWARD_KINDS = ("model", "target_tokens")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -117,6 +124,9 @@ class PPOConfig:
     query_length: int = 64               # prompt tokens (left-padded / truncated to this)
     response_length: int = 24            # sampled tokens per episode (always exactly this many)
     batch_size: int = 512                # episodes per PPO iteration, global over all devices
+    samples_per_prompt: int = 1          # G: responses per prompt. The prompt pipeline delivers
+    #                                      batch_size // G prompts; the rollout repeats each G
+    #                                      times, so a group is G contiguous rows
     nminibatches: int = 1                # optimizer steps per epoch
     noptepochs: int = 4                  # passes over the batch per iteration, fresh shuffle each
     gradient_accumulation_steps: int = 1  # micro-batches per minibatch (a memory knob only)
@@ -141,7 +151,19 @@ class PPOConfig:
     gamma: float = 1.0                   # discount
     lam: float = 0.95                    # GAE lambda
     whiten_rewards: bool = True          # rewards scaled to unit variance (mean kept)
-    advantage_estimator: str = "gae"     # estimator + loss pair (pjit_ppo.ppo.estimators)
+    advantage_estimator: str = "gae"     # estimator + loss pair (pjit_ppo.ppo.estimators):
+    #                                      "gae" (PPO with a critic), or critic-free "grpo",
+    #                                      "rloo", "reinforce_pp"
+    loss_aggregation: str = "token_mean"  # how token losses become one number: "token_mean"
+    #                                      (over the micro-batch's tokens), "sequence_mean"
+    #                                      (per sequence, then over sequences), "sequence_sum"
+    #                                      (per-sequence sum / response_length, Dr. GRPO)
+    cliprange_low: Optional[float] = None   # ratio clipped to [1 - low, 1 + high]; None =
+    cliprange_high: Optional[float] = None  # cliprange (DAPO's clip-higher: high > low)
+    importance_ratio: str = "token"      # "token" (PPO) or "sequence" (GSPO: geometric mean
+    #                                      of the token ratios, clipped per sequence)
+    grpo_normalize_std: bool = True      # grpo: divide by the group std (False = Dr. GRPO)
+    kl_loss_coef: float = 0.04           # grpo: weight of the k3 KL-to-reference loss term
 
     # Optimisation.
     optimizer: str = "tf_adam"           # "tf_adam" (eps on the uncorrected moment) or "adam"
@@ -177,6 +199,23 @@ class PPOConfig:
     def microbatch_size(self) -> int:
         return self.minibatch_size // self.gradient_accumulation_steps
 
+    @property
+    def prompts_per_iteration(self) -> int:
+        """Prompts the pipeline delivers per iteration: batch_size // samples_per_prompt."""
+        return self.batch_size // self.samples_per_prompt
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator trains a critic (False for the critic-free ones)."""
+        return self.advantage_estimator not in CRITIC_FREE_ESTIMATORS
+
+    @property
+    def clip_bounds(self) -> Tuple[float, float]:
+        """(low, high): the policy ratio is clipped to [1 - low, 1 + high]."""
+        low = self.cliprange if self.cliprange_low is None else self.cliprange_low
+        high = self.cliprange if self.cliprange_high is None else self.cliprange_high
+        return low, high
+
     def sampling_options(self) -> SamplingOptions:
         """The sampler's options for a rollout: response_length tokens, no early stop."""
         return SamplingOptions(max_new_tokens=self.response_length, temperature=self.temperature,
@@ -184,14 +223,15 @@ class PPOConfig:
 
     def validate(self) -> "PPOConfig":
         """Checks every field; raises ConfigError naming the field and the fix."""
-        for name in ("query_length", "response_length", "batch_size", "nminibatches",
-                     "noptepochs", "gradient_accumulation_steps", "total_episodes",
-                     "kl_horizon"):
+        for name in ("query_length", "response_length", "batch_size", "samples_per_prompt",
+                     "nminibatches", "noptepochs", "gradient_accumulation_steps",
+                     "total_episodes", "kl_horizon"):
             value = getattr(self, name)
             _need(isinstance(value, int) and value >= 1, f"ppo.{name}={value!r} must be an "
                                                          f"integer >= 1")
         for name in ("temperature", "top_p", "cliprange", "cliprange_value", "vf_coef", "gamma",
-                     "lam", "lr", "eps", "init_kl_coef", "kl_target", "penalty_reward_value"):
+                     "lam", "lr", "eps", "init_kl_coef", "kl_target", "penalty_reward_value",
+                     "kl_loss_coef"):
             _finite_number(f"ppo.{name}", getattr(self, name))
         _need(self.batch_size % self.nminibatches == 0,
               f"ppo.batch_size={self.batch_size} is not divisible by ppo.nminibatches="
@@ -206,6 +246,9 @@ class PPOConfig:
         _choice("ppo.kl_controller", self.kl_controller, KL_CONTROLLERS)
         _choice("ppo.critic_init", self.critic_init, CRITIC_INITS)
         _choice("ppo.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        _choice("ppo.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
+        _choice("ppo.importance_ratio", self.importance_ratio, IMPORTANCE_RATIOS)
+        self._validate_estimator()
         for name in ("gamma", "lam"):
             value = getattr(self, name)
             _need(0.0 <= value <= 1.0, f"ppo.{name}={value} must be in [0, 1]")
@@ -220,6 +263,27 @@ class PPOConfig:
         except ConfigError as e:
             raise ConfigError(f"ppo.{e}") from None
         return self
+
+    def _validate_estimator(self) -> None:
+        """Samples per prompt, the critic-free estimators and the policy-loss options."""
+        g, name = self.samples_per_prompt, self.advantage_estimator
+        _need(self.batch_size % g == 0,
+              f"ppo.batch_size={self.batch_size} is not divisible by ppo.samples_per_prompt={g}: "
+              f"batch_size counts episodes (prompts x samples), so pick a multiple of "
+              f"samples_per_prompt")
+        if name in GROUP_ESTIMATORS:
+            _need(g >= 2, f"ppo.advantage_estimator={name!r} compares the samples of a prompt "
+                          f"and needs ppo.samples_per_prompt >= 2 (got {g})")
+        if name in CRITIC_FREE_ESTIMATORS:
+            _need(not self.shared_trunk,
+                  f"ppo.shared_trunk=True puts a value head on the policy, but "
+                  f"ppo.advantage_estimator={name!r} trains no critic: set shared_trunk=False")
+        for field in ("cliprange_low", "cliprange_high"):
+            value = getattr(self, field)
+            if value is not None:
+                _finite_number(f"ppo.{field}", value)
+                _need(value >= 0, f"ppo.{field}={value} must be >= 0 (or None = ppo.cliprange)")
+        _need(self.kl_loss_coef >= 0, f"ppo.kl_loss_coef={self.kl_loss_coef} must be >= 0")
 
 
 @dataclasses.dataclass(slots=True)
@@ -298,6 +362,45 @@ class DataOptions:
 
 
 @dataclasses.dataclass(slots=True)
+class CheckpointOptions:
+    """Orbax checkpoints of the train state in WORKDIR/checkpoints/<iteration>/."""
+
+    every: int = 10                   # iterations between saves (there is always one at the end)
+    keep: int = 3                     # keep the last K checkpoints
+    keep_period: int = 0              # also keep every checkpoint whose iteration is a multiple
+    #                                   of this (0 = off)
+    async_save: bool = True           # write in the background while training goes on
+    resume: bool = True               # continue from the latest complete checkpoint in WORKDIR
+
+    def validate(self) -> "CheckpointOptions":
+        _need(isinstance(self.every, int) and self.every >= 1,
+              f"checkpoint.every={self.every!r} must be an integer >= 1")
+        _need(isinstance(self.keep, int) and self.keep >= 1,
+              f"checkpoint.keep={self.keep!r} must be an integer >= 1")
+        _need(isinstance(self.keep_period, int) and self.keep_period >= 0,
+              f"checkpoint.keep_period={self.keep_period!r} must be an integer >= 0 (0 = off)")
+        return self
+
+
+@dataclasses.dataclass(slots=True)
+class EvalOptions:
+    """Evaluation of a checkpoint (launch/evaluate.py): held-out prompts, both policies."""
+
+    num_prompts: int = 256            # evaluation prompts (from their own random stream)
+    temperature: float = 0.0          # sampling temperature; 0 = ppo.temperature
+    greedy: bool = False              # argmax decoding instead of sampling
+    seed: int = 0                     # seed of the evaluation prompts and samples
+
+    def validate(self) -> "EvalOptions":
+        _need(isinstance(self.num_prompts, int) and self.num_prompts >= 1,
+              f"evaluation.num_prompts={self.num_prompts!r} must be an integer >= 1")
+        _finite_number("evaluation.temperature", self.temperature)
+        _need(self.temperature >= 0, f"evaluation.temperature={self.temperature} must be > 0, "
+                                     f"or 0 for ppo.temperature")
+        return self
+
+
+@dataclasses.dataclass(slots=True)
 class RunConfig:
     """A whole PPO run: the sections above plus run-level switches."""
 
@@ -306,6 +409,8 @@ class RunConfig:
     model: ModelOptions = dataclasses.field(default_factory=ModelOptions)
     reward: RewardOptions = dataclasses.field(default_factory=RewardOptions)
     data: DataOptions = dataclasses.field(default_factory=DataOptions)
+    checkpoint: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
+    evaluation: EvalOptions = dataclasses.field(default_factory=EvalOptions)
     num_iterations: int = -1          # PPO iterations; <= 0: ppo.total_episodes // ppo.batch_size
     tensorboard: bool = True          # also write TensorBoard event files
     measure_peak: bool = True         # measure a matmul peak at start-up for MFU metrics
@@ -324,12 +429,14 @@ class RunConfig:
         self.model.validate()
         self.reward.validate()
         self.data.validate()
+        self.checkpoint.validate()
+        self.evaluation.validate()
         _need(isinstance(self.num_iterations, int), f"num_iterations={self.num_iterations!r} "
                                                     f"must be an integer")
         _need(self.data.min_prompt_length <= self.ppo.query_length,
               f"data.min_prompt_length={self.data.min_prompt_length} exceeds ppo.query_length="
               f"{self.ppo.query_length}")
-        if not self.ppo.shared_trunk and self.ppo.critic_init == "reward":
+        if self.ppo.uses_critic and not self.ppo.shared_trunk and self.ppo.critic_init == "reward":
             _need(self.reward.kind == "model",
                   f"ppo.critic_init='reward' needs reward.kind='model' (got "
                   f"{self.reward.kind!r}); use ppo.critic_init='policy' with a synthetic reward")
@@ -338,3 +445,65 @@ class RunConfig:
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready nested dict of every field."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, tree: Dict[str, Any]) -> "RunConfig":
+        """The config a `to_dict()` (e.g. read back from a checkpoint's JSON) describes.
+
+        Unknown fields raise ConfigError; missing ones take their defaults.
+        """
+        sections = {f.name: f.default_factory for f in dataclasses.fields(cls)
+                    if f.default_factory is not dataclasses.MISSING}
+        kwargs = {}
+        for name, value in tree.items():
+            if name in sections:
+                section = sections[name]
+                known = {f.name: f for f in dataclasses.fields(section)}
+                unknown = sorted(set(value) - set(known))
+                _need(not unknown, "unknown config field(s) "
+                                   + ", ".join(f"{name}.{u}" for u in unknown))
+                value = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+                kwargs[name] = section(**value)
+            else:
+                _need(name in {f.name for f in dataclasses.fields(cls)},
+                      f"unknown config field {name!r}")
+                kwargs[name] = value
+        return cls(**kwargs)
+
+
+#: Fields a resumed run may change: how it is laid out, how long it runs, what it logs.
+#: Every other field must equal the checkpoint's (prefix match on the dotted name).
+RESUMABLE_CHANGES = ("mesh.", "num_iterations", "tensorboard", "measure_peak", "checkpoint.",
+                     "evaluation.")
+
+
+def _flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(tree, dict):
+        out: Dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def resume_conflicts(saved: Dict[str, Any], current: Dict[str, Any]) -> Dict[str, Tuple[Any, Any]]:
+    """Fields whose value differs between a checkpoint's config and the current one.
+
+    Both are `RunConfig.to_dict()` results (the saved one read back from JSON).
+    Returns {dotted field: (saved value, current value)} for every field that is not
+    in RESUMABLE_CHANGES; empty when the run may resume.
+    """
+    current = json_round_trip(current)
+    a, b = _flatten(saved), _flatten(current)
+    out = {}
+    for name in sorted(set(a) | set(b)):
+        if name.startswith(RESUMABLE_CHANGES):
+            continue
+        if a.get(name, "<absent>") != b.get(name, "<absent>"):
+            out[name] = (a.get(name, "<absent>"), b.get(name, "<absent>"))
+    return out
+
+
+def json_round_trip(tree: Any) -> Any:
+    """`tree` as it reads back from JSON (tuples become lists)."""
+    return json.loads(json.dumps(tree, default=str))

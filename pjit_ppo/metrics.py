@@ -102,14 +102,19 @@ class JsonlWriter(MetricWriter):
 
 
 class TensorBoardWriter(MetricWriter):
-    """One tensorboardX ``add_scalar`` per key, with global_step = step."""
+    """One tensorboardX ``add_scalar`` per key, with global_step = step.
 
-    def __init__(self, logdir: str):
+    ``purge_step``: a resumed run passes the first step it will write; TensorBoard then
+    drops events at or after it that an interrupted run had written, so the curves
+    continue without duplicates.
+    """
+
+    def __init__(self, logdir: str, purge_step: int | None = None):
         self.logdir = logdir
         self._writer = None
         if _is_chief():
             from tensorboardX import SummaryWriter  # heavy import, chief only
-            self._writer = SummaryWriter(logdir)
+            self._writer = SummaryWriter(logdir, purge_step=purge_step)
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         if self._writer is None:
@@ -213,14 +218,16 @@ def make_writers(workdir: str, total_iterations: int,
       total_iterations: number of iterations of the run, for the ETA.
       console_keys: metric names shown on the console line.
       tensorboard: whether to write TensorBoard event files.
-      start_step: iteration the run starts (or resumes) from.
+      start_step: iterations already completed (a resumed run's checkpoint); the
+        first write is start_step + 1.
 
     Returns:
       A MultiWriter over the writers.
     """
     writers = [JsonlWriter(os.path.join(workdir, "metrics.jsonl"))]
     if tensorboard:
-        writers.append(TensorBoardWriter(os.path.join(workdir, "tensorboard")))
+        writers.append(TensorBoardWriter(os.path.join(workdir, "tensorboard"),
+                                         purge_step=start_step + 1 if start_step else None))
     writers.append(ConsoleWriter(total_iterations, console_keys,
                                  start_step=start_step))
     return MultiWriter(writers)
@@ -256,3 +263,34 @@ def device_memory_stats(devices: Iterable | None = None) -> dict[str, float]:
                 mib = stats[name] / 2**20
                 maxima[key] = max(maxima.get(key, 0.0), mib)
     return maxima
+
+
+def truncate_jsonl(path: str, last_step: int) -> int:
+    """Keeps the lines of a metrics.jsonl whose "iteration" is <= last_step.
+
+    A resumed run calls this with its checkpoint's iteration, so the file holds one
+    line per iteration as if the run had never stopped. The file is rewritten
+    atomically; lines it drops (written after the checkpoint, or cut off by a crash)
+    are appended to ``<path>.dropped`` rather than lost. Process 0 only.
+
+    Returns:
+      The number of lines dropped.
+    """
+    if not _is_chief() or not os.path.exists(path):
+        return 0
+    keep, drop = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                ok = int(json.loads(line)["iteration"]) <= last_step
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            (keep if ok else drop).append(line if line.endswith("\n") else line + "\n")
+    if drop:
+        with open(path + ".dropped", "a", encoding="utf-8") as f:
+            f.writelines(drop)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+    return len(drop)

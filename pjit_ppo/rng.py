@@ -10,7 +10,7 @@ import jax
 
 #: The purposes a run draws randomness for. A purpose's stream depends only on its
 #: name (through a CRC), so adding a purpose never changes the others.
-PURPOSES = ("prompts", "sample", "update")
+PURPOSES = ("prompts", "sample", "update", "eval_prompts", "eval_sample")
 
 
 def purpose_id(purpose: str) -> int:

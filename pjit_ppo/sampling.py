@@ -201,7 +201,8 @@ def _check_inputs(config: ModelConfig, prompt_ids, prompt_mask, opts: SamplingOp
 def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
              prompt_mask: jax.Array, key: jax.Array, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             top_p_mode: str = "transformers", greedy: bool = False, stop_token: Optional[int] = None,
+             top_p_mode: str = "transformers", greedy: bool = False,
+             stop_token: Optional[int] = None,
              min_new_tokens: Optional[int] = None, pad_token_id: Optional[int] = None,
              mesh: Optional[Mesh] = None, return_logits: bool = False,
              axis_rules: Mapping[str, Any] = sharding.DEFAULT_AXIS_RULES):

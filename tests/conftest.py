@@ -5,6 +5,13 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole session, shared with the entry-point
+# subprocesses (tests/runs.py): the same programs are compiled by many tests.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pjit_ppo_jax_cache_")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 import pytest  # noqa: E402

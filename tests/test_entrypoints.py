@@ -6,23 +6,15 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCH = os.path.join(ROOT, "launch", "train_ppo.py")
-TINY = os.path.join(ROOT, "configs", "tiny_demo.py")
+import runs
+from runs import TINY, strict_lines as _strict_lines
 
 
-def _train(args, cwd, timeout=600, script=(sys.executable, LAUNCH)):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user on a laptop
-    return subprocess.run([*script, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def _strict_lines(path):
-    def reject(token):
-        raise ValueError(f"non-standard JSON token {token}")
-    with open(path) as f:
-        return [json.loads(line, parse_constant=reject) for line in f]
+def _train(args, cwd, timeout=600, script=None):
+    """launch/train_ppo.py (or `script`) with `args`, on one CPU device, from `cwd`."""
+    command = list(script) if script else runs.command("train_ppo.py")
+    return subprocess.run([*command, *args], cwd=cwd, env=runs.env(), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def test_demo_recipe_runs_from_another_directory(tmp_path):
@@ -30,7 +22,7 @@ def test_demo_recipe_runs_from_another_directory(tmp_path):
     JSON with one line per iteration, and compilation is timed on its own."""
     workdir = tmp_path / "run"
     proc = _train([f"--config={TINY}", f"--workdir={workdir}", "--config.num_iterations=3",
-                   "--config.measure_peak=false"], cwd=tmp_path)
+                   "--config.measure_peak=false", "--config.checkpoint.every=100"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = _strict_lines(workdir / "metrics.jsonl")
     assert [m["iteration"] for m in lines] == [1, 2, 3]

@@ -25,14 +25,15 @@ def _synthetic_batch(key, batch_size, query_length, low, high, min_length, pad_i
 
 
 def synthetic_prompts(mesh: Mesh, *, batch_size: int, query_length: int, vocab_size: int,
-                      pad_id: int, seed: int = 0, min_length: int = 1, low: int = 0
-                      ) -> Callable[[int], Tuple[jax.Array, jax.Array]]:
+                      pad_id: int, seed: int = 0, min_length: int = 1, low: int = 0,
+                      purpose: str = "prompts") -> Callable[[int], Tuple[jax.Array, jax.Array]]:
     """A PromptFn of random left-padded prompts: iteration -> (int32 [B, Q], bool [B, Q]).
 
     Token ids are uniform in [low, vocab_size) excluding nothing (pad_id may lie
     outside the vocabulary, as in the reference's dedicated pad token); lengths are
     uniform in [min_length, query_length]. Generated on the devices directly into
-    the batch sharding (no host array of the global batch).
+    the batch sharding (no host array of the global batch). `purpose` names the
+    random stream ("prompts" for training, "eval_prompts" for held-out evaluation).
     """
     if not 1 <= min_length <= query_length:
         raise ValueError(f"min_length={min_length} must be in [1, query_length={query_length}]")
@@ -41,7 +42,8 @@ def synthetic_prompts(mesh: Mesh, *, batch_size: int, query_length: int, vocab_s
                                      query_length=query_length, low=low, high=vocab_size,
                                      min_length=min_length, pad_id=pad_id),
                    out_shardings=(out, out))
+
     def prompts(iteration: int):
-        return make(rng.stream_key(seed, "prompts", iteration))
+        return make(rng.stream_key(seed, purpose, iteration))
 
     return prompts

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import jax.numpy as jnp
 
+from pjit_ppo import padding
 from pjit_ppo.models.config import ModelConfig
 from pjit_ppo.ppo import scoring
 from pjit_ppo.ppo.types import RewardFn
@@ -38,3 +39,28 @@ def target_token_reward(target_ids: Sequence[int]) -> RewardFn:
         return jnp.sum(hit, axis=-1).astype(jnp.float32) / n
 
     return fn
+
+
+def score_responses(cfg, reward_fn: RewardFn, reward_params, query, query_mask, response):
+    """The reward rules of a rollout: truncate at the stop token, score, penalise no stop.
+
+    Args:
+      cfg: the PPOConfig (truncate_token, truncate_after, pad_token_id,
+        penalty_reward_value).
+      reward_fn, reward_params: the run's reward.
+      query: int32 [B, Q] left-padded, query_mask bool [B, Q]; response: int32 [B, R]
+        raw sampled tokens.
+    Returns:
+      (scores float32 [B] with the penalty applied, found bool [B] (a stop token was
+      found), kept bool [B, R] (the positions the reward saw)).
+    """
+    if cfg.truncate_token is not None:
+        truncated, found, kept = padding.truncate_after_stop(
+            response, cfg.truncate_token, cfg.truncate_after, cfg.pad_token_id, with_mask=True)
+    else:
+        truncated, found = response, jnp.ones(response.shape[:1], bool)
+        kept = jnp.ones(response.shape, bool)
+    scores = reward_fn(reward_params, query, query_mask, jnp.where(kept, truncated, 0), kept)
+    scores = padding.penalize_missing_stop(scores.astype(jnp.float32), found,
+                                           cfg.penalty_reward_value)
+    return scores, found, kept

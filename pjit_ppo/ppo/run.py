@@ -4,12 +4,15 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Dict, NamedTuple, Optional
+import signal
+import threading
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
+from absl import logging
 
-from pjit_ppo import data, flops, metrics as metrics_lib, sharding
-from pjit_ppo.config import ModelOptions, RunConfig
+from pjit_ppo import checkpoint, data, flops, metrics as metrics_lib, sharding
+from pjit_ppo.config import ConfigError, ModelOptions, RunConfig, resume_conflicts
 from pjit_ppo.models import ModelConfig, heads, init_params, load_pretrained
 from pjit_ppo.ppo import assemble
 from pjit_ppo.ppo.rewards import model_reward_fn, target_token_reward
@@ -28,13 +31,31 @@ def load_lm(options: ModelOptions, path: str, mesh, seed: int):
     return config, params
 
 
+def load_reward(config: RunConfig, mesh):
+    """The run's reward: (reward ModelConfig or None, RewardFn, frozen reward params or None,
+    fp32 reward trunk + head or None)."""
+    if config.reward.kind != "model":
+        return None, target_token_reward(tuple(config.reward.target_ids)), None, None
+    model_cfg, trunk = load_lm(config.model, config.reward.path, mesh, config.ppo.seed + 1)
+    head = heads.init_reward_head(model_cfg.d_model, jax.random.PRNGKey(config.reward.head_seed))
+    reward = assemble.trunk_only(trunk)
+    reward.update(jax.device_put(head, sharding.replicated(mesh)))
+    frozen = assemble.make_frozen(reward, model_cfg.compute_dtype)
+    return model_cfg, model_reward_fn(model_cfg), frozen, reward
+
+
 class Job(NamedTuple):
-    """Everything a PPO run needs, built from a RunConfig."""
+    """Everything a PPO run needs, built from a RunConfig.
+
+    prompts_position(iteration) -> JSON-able dict: what the prompt stream needs to
+    continue from `iteration` (saved in checkpoints).
+    """
     trainer: PPOTrainer
     state: TrainState
     frozen: Dict[str, Any]
     prompts: PromptFn
     num_iterations: int
+    prompts_position: Callable[[int], Dict[str, Any]]
 
 
 def build(config: RunConfig) -> Job:
@@ -45,21 +66,13 @@ def build(config: RunConfig) -> Job:
     policy_cfg, policy = load_lm(config.model, config.model.policy_path, mesh, ppo_cfg.seed)
     frozen: Dict[str, Any] = {"ref": assemble.make_frozen(policy, policy_cfg.compute_dtype)}
 
-    reward_model_cfg: Optional[ModelConfig] = None
-    if config.reward.kind == "model":
-        reward_model_cfg, reward_trunk = load_lm(config.model, config.reward.path, mesh,
-                                                 ppo_cfg.seed + 1)
-        head = heads.init_reward_head(reward_model_cfg.d_model,
-                                      jax.random.PRNGKey(config.reward.head_seed))
-        reward = assemble.trunk_only(reward_trunk)  # fp32: also the critic's starting point
-        reward.update(jax.device_put(head, sharding.replicated(mesh)))
-        frozen["reward"] = assemble.make_frozen(reward, reward_model_cfg.compute_dtype)
-        reward_fn = model_reward_fn(reward_model_cfg)
-    else:
-        frozen["reward"] = None
-        reward_fn = target_token_reward(tuple(config.reward.target_ids))
+    # `reward` (fp32 trunk + head) is also the critic's starting point.
+    reward_model_cfg, reward_fn, frozen["reward"], reward = load_reward(config, mesh)
 
-    if ppo_cfg.shared_trunk:
+    if not ppo_cfg.uses_critic:  # a critic-free estimator: nothing to build, train or save
+        params = {"policy": policy}
+        critic_cfg = None
+    elif ppo_cfg.shared_trunk:
         params = {"policy": policy,
                   **jax.device_put(heads.init_value_head(policy_cfg.d_model),
                                    sharding.replicated(mesh))}
@@ -76,10 +89,15 @@ def build(config: RunConfig) -> Job:
                          reward_model=reward_model_cfg, peak_flops=peak)
     state = trainer.init_state(params)
     prompts = data.synthetic_prompts(
-        mesh, batch_size=ppo_cfg.batch_size, query_length=ppo_cfg.query_length,
+        mesh, batch_size=ppo_cfg.prompts_per_iteration, query_length=ppo_cfg.query_length,
         vocab_size=policy_cfg.vocab_size, pad_id=ppo_cfg.pad_token_id, seed=ppo_cfg.seed,
         min_length=config.data.min_prompt_length, low=config.data.low_token)
-    return Job(trainer, state, frozen, prompts, config.num_updates)
+
+    def prompts_position(iteration: int) -> Dict[str, Any]:
+        # Synthetic prompts are a pure function of (seed, iteration): the position is all.
+        return {"kind": "synthetic", "seed": ppo_cfg.seed, "next_iteration": iteration}
+
+    return Job(trainer, state, frozen, prompts, config.num_updates, prompts_position)
 
 
 def write_config(config: RunConfig, workdir: str) -> str:
@@ -93,24 +111,123 @@ def write_config(config: RunConfig, workdir: str) -> str:
     return path
 
 
-def train(config: RunConfig, workdir: str) -> Dict[str, float]:
-    """Runs a PPO job; metrics go to WORKDIR/metrics.jsonl, TensorBoard and the console.
+def frozen_sources(config: RunConfig) -> Dict[str, str]:
+    """Where the frozen models come from (recorded in checkpoints instead of their weights)."""
+    policy = (config.model.policy_path
+              or f"random init (ppo.seed={config.ppo.seed}, model.random)")
+    if config.reward.kind == "model":
+        trunk = config.reward.path or "random init (ppo.seed + 1, model.random)"
+        reward = f"{trunk} + reward head (reward.head_seed={config.reward.head_seed})"
+    else:
+        reward = f"target_tokens {list(config.reward.target_ids)}"
+    return {"reference": f"the initial policy: {policy}", "reward": reward}
 
-    Returns the last iteration's metrics.
+
+def _resume_point(config: RunConfig, checkpointer: checkpoint.RunCheckpointer) -> int:
+    """The iteration to continue from (0 = a fresh run); checks the saved config."""
+    step = checkpointer.latest_complete(set_aside=True)
+    if step is None:
+        return 0
+    if not config.checkpoint.resume:
+        raise ConfigError(f"{checkpointer.directory} holds checkpoint {step} and "
+                          f"checkpoint.resume=False: use a new --workdir to start afresh "
+                          f"(checkpoints are never overwritten)")
+    saved = checkpointer.run_info(step)["config"]
+    conflicts = resume_conflicts(saved, config.to_dict())
+    if conflicts:
+        listed = "; ".join(f"{name}: checkpoint {a!r}, now {b!r}"
+                           for name, (a, b) in conflicts.items())
+        raise ConfigError(f"cannot resume from checkpoint {step} in {checkpointer.directory}: "
+                          f"the config differs in {listed}. Use the checkpoint's values or a "
+                          f"new --workdir")
+    return step
+
+
+class _Preemption:
+    """SIGTERM / SIGINT handler: the first signal asks the loop to stop after the current
+    iteration (then the run saves and exits 0); a second one interrupts at once."""
+
+    def __init__(self):
+        self.signal: Optional[int] = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signal = signum
+        logging.warning("received %s: finishing this iteration, then saving a checkpoint",
+                        signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(config: RunConfig, workdir: str) -> Dict[str, float]:
+    """Runs (or resumes) a PPO job in `workdir`.
+
+    Writes WORKDIR/config.json, metrics.jsonl, tensorboard/ and checkpoints/<iteration>/.
+    Running the same command again continues from the latest complete checkpoint:
+    metrics.jsonl keeps one line per iteration and the run continues exactly. SIGTERM or
+    SIGINT ends the current iteration, saves, and returns normally.
+
+    Returns the last iteration's metrics ({} when there was nothing left to run).
     """
     config.validate()
+    checkpointer = checkpoint.RunCheckpointer(workdir, config.checkpoint)
+    start = _resume_point(config, checkpointer)
     write_config(config, workdir)
     job = build(config)
+    state = job.state
+    if start:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                             sharding=x.sharding), state)
+        jax.tree.map(lambda x: x.delete(), state)  # free the fresh state before reading
+        state = checkpointer.restore(start, target)
+        logging.info("resuming from checkpoint %d (%s)", start,
+                     os.path.join(checkpointer.directory, str(start)))
+    dropped = metrics_lib.truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), start)
+    if dropped:
+        logging.warning("metrics.jsonl: %d line(s) written after iteration %d moved to "
+                        "metrics.jsonl.dropped", dropped, start)
     writer = metrics_lib.make_writers(workdir, job.num_iterations,
-                                      tensorboard=config.tensorboard)
+                                      tensorboard=config.tensorboard, start_step=start)
+    every = config.checkpoint.every
+    run_info = {"config": config.to_dict(), "frozen": frozen_sources(config)}
     last: Dict[str, float] = {}
+    saved = {"step": start}
 
-    def remember(it, state, m):
-        last.update(m)
+    def save(step, state):
+        checkpointer.save(step, state, {**run_info, "iteration": step,
+                                        "prompt_stream": job.prompts_position(step)})
+        saved["step"] = step
 
+    def after_iteration(it, state, metrics):
+        last.clear()
+        last.update(metrics)
+        if (it + 1) % every == 0 or it + 1 == job.num_iterations:
+            save(it + 1, state)
+        final["state"] = state
+
+    final = {"state": state}
     try:
-        job.trainer.train(job.state, job.frozen, job.prompts, job.num_iterations,
-                          writer=writer, on_iteration=remember)
+        with _Preemption() as preemption:
+            job.trainer.train(state, job.frozen, job.prompts, job.num_iterations, writer=writer,
+                              start_iteration=start, on_iteration=after_iteration,
+                              should_stop=lambda: preemption.signal is not None)
+            if preemption.signal is not None:
+                step = int(final["state"].iteration)
+                if saved["step"] != step:
+                    save(step, final["state"])
+                checkpointer.wait()
+                logging.warning("preempted at iteration %d, saved checkpoint %d", step, step)
+        checkpointer.wait()
     finally:
         writer.close()
     return last

@@ -90,8 +90,19 @@ class PPOTrainer:
                  optimizer: Optional[optax.GradientTransformation] = None,
                  reward_model=None, peak_flops: Optional[float] = None):
         cfg = copy.deepcopy(cfg).validate()
-        if cfg.shared_trunk != (models.critic is None):
+        if not cfg.uses_critic:
+            if models.critic is not None:
+                raise ValueError(f"ppo.advantage_estimator={cfg.advantage_estimator!r} trains "
+                                 f"no critic: pass models.critic=None")
+        elif cfg.shared_trunk != (models.critic is None):
             raise ValueError("ppo.shared_trunk=True needs models.critic=None and vice versa")
+        batch_devices = math.prod(mesh.shape[a] for a in sharding.DEFAULT_AXIS_RULES["batch"]
+                                  if a in mesh.shape)
+        if cfg.prompts_per_iteration % batch_devices:
+            raise ValueError(
+                f"{cfg.prompts_per_iteration} prompts per iteration (ppo.batch_size // "
+                f"ppo.samples_per_prompt) cannot be split evenly over the mesh's "
+                f"{batch_devices} batch devices (mesh.data x mesh.fsdp)")
         self.cfg, self.models, self.mesh = cfg, models, mesh
         self.num_updates = int(num_updates)
         self.optimizer = optimizer or make_ppo_optimizer(cfg, self.num_updates)
@@ -210,12 +221,15 @@ class PPOTrainer:
 
     def train(self, state: TrainState, frozen, prompts: PromptFn,
               num_iterations: Optional[int] = None, writer=None, start_iteration: int = 0,
-              on_iteration: Optional[Callable[[int, TrainState, Dict[str, float]], None]] = None
-              ) -> TrainState:
+              on_iteration: Optional[Callable[[int, TrainState, Dict[str, float]], None]] = None,
+              should_stop: Optional[Callable[[], bool]] = None) -> TrainState:
         """Runs iterations start_iteration .. num_iterations - 1; returns the final state.
 
-        num_iterations defaults to the trainer's num_updates. Stops with NonFiniteError
-        (after writing that iteration's metrics) when a guarded quantity is not finite.
+        num_iterations defaults to the trainer's num_updates. After each iteration the
+        metrics are written, `on_iteration(it, state, metrics)` runs (e.g. a checkpoint
+        save), and the loop ends early when `should_stop()` is true (e.g. preemption).
+        Stops with NonFiniteError (after writing that iteration's metrics) when a
+        guarded quantity is not finite.
         """
         num_iterations = self.num_updates if num_iterations is None else num_iterations
         for it in range(start_iteration, num_iterations):
@@ -223,7 +237,9 @@ class PPOTrainer:
             state, metrics = self.step(state, frozen, query, query_mask, it)
             if writer is not None:
                 writer.write(it + 1, metrics)  # iterations completed
+            check_finite(metrics, it + 1)
             if on_iteration is not None:
                 on_iteration(it, state, metrics)
-            check_finite(metrics, it + 1)
+            if should_stop is not None and should_stop():
+                break
         return state

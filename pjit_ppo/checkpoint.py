@@ -1,0 +1,317 @@
+"""Orbax checkpoints of a PPO run: asynchronous saves, verified completeness, restore onto any mesh.
+
+Layout of WORKDIR/checkpoints/<iteration>/ (one Orbax composite checkpoint):
+
+  policy/      the policy parameters, as sharded (restorable alone: evaluation, export)
+  rest/        the other trainable parameters (critic, or the shared trunk's value head)
+  opt_state/   the optimizer state, as sharded
+  train/       kl_coef and iteration (the rest of the TrainState)
+  run/         JSON: the resolved run config, the prompt stream's position, where the
+               frozen models come from (they are rebuilt, never copied into checkpoints)
+  pjit_ppo_manifest.json
+               written after Orbax has committed the checkpoint: every file with its size
+               and CRC-32. A checkpoint without it, or whose files do not match it, is
+               incomplete or corrupt: it is skipped with a warning and never loaded.
+
+Restores take an abstract target (shapes, dtypes and the *target* shardings), so a
+checkpoint saved on one mesh is read directly into another: nothing is first
+materialised in the saved layout.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import zlib
+from typing import Any, Dict, List, Optional
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+from pjit_ppo.config import CheckpointOptions
+from pjit_ppo.ppo.types import TrainState
+
+MANIFEST = "pjit_ppo_manifest.json"
+#: Files Orbax itself rewrites after the manifest is made (step metadata, commit marker):
+#: not covered by it.
+_UNLISTED = (MANIFEST, "_CHECKPOINT_METADATA", "commit_success.txt")
+FORMAT_VERSION = 1
+_CHUNK = 16 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message names it and the fix."""
+
+
+def checkpoint_dir(workdir: str) -> str:
+    """WORKDIR/checkpoints as an absolute path."""
+    return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_CHUNK)
+            if not block:
+                return crc
+            crc = zlib.crc32(block, crc)
+
+
+def file_manifest(step_dir: str) -> Dict[str, List[int]]:
+    """{relative path: [size, crc32]} of every file under `step_dir` except the manifest."""
+    out = {}
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, step_dir)
+            if rel not in _UNLISTED:
+                out[rel] = [os.path.getsize(path), _crc32(path)]
+    return out
+
+
+def verify(step_dir: str) -> Optional[str]:
+    """None if the checkpoint in `step_dir` is complete and intact, else what is wrong."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.exists(path):
+        return "it has no manifest (its save did not finish)"
+    try:
+        with open(path) as f:
+            want = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"its manifest is unreadable ({e})"
+    have = file_manifest(step_dir)
+    missing = sorted(set(want) - set(have))
+    if missing:
+        return f"file {missing[0]} is missing"
+    for rel, (size, crc) in sorted(want.items()):
+        if have[rel][0] != size:
+            return f"file {rel} has {have[rel][0]} bytes, {size} were written"
+        if have[rel][1] != crc:
+            return f"file {rel} does not match its checksum"
+    return None
+
+
+def _abstract(tree):
+    """ShapeDtypeStructs with the shardings of `tree` (arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+
+
+def _split_params(params: Dict[str, Any]):
+    return params["policy"], {k: v for k, v in params.items() if k != "policy"}
+
+
+class RunCheckpointer:
+    """Saves and restores the TrainState of one run directory.
+
+    Args:
+      workdir: the run directory; checkpoints go to WORKDIR/checkpoints/<iteration>/.
+      options: the config's `checkpoint` section (every, keep, keep_period, async_save).
+      read_only: open existing checkpoints only (evaluation, export).
+    Raises:
+      CheckpointError: the directory cannot be created or written.
+    """
+
+    def __init__(self, workdir: str, options: CheckpointOptions = CheckpointOptions(),
+                 read_only: bool = False):
+        self.directory = checkpoint_dir(workdir)
+        self.options = options
+        self._pending: Optional[int] = None
+        self._saved_once = False
+        if read_only:
+            if not os.path.isdir(self.directory):
+                raise CheckpointError(f"no checkpoints in {os.path.abspath(workdir)} (expected "
+                                      f"{self.directory}/<iteration>/)")
+        else:
+            self._check_writable()
+        self._warn_incomplete()
+        asynchronous = options.async_save and not read_only
+        manager_options = ocp.CheckpointManagerOptions(
+            max_to_keep=options.keep, keep_period=options.keep_period or None,
+            enable_async_checkpointing=asynchronous, create=not read_only, read_only=read_only,
+            cleanup_tmp_directories=not read_only,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._on_committed)
+            if asynchronous else None)
+        self._manager = ocp.CheckpointManager(self.directory, options=manager_options)
+
+    # ------------------------------------------------------------ directory checks
+    def _check_writable(self) -> None:
+        probe = os.path.join(self.directory, ".write_probe")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot write checkpoints to {self.directory}: {e.strerror or e}; choose a "
+                f"writable --workdir (or free space on its disk)") from None
+
+    def _warn_incomplete(self) -> None:
+        if not os.path.isdir(self.directory):
+            return
+        for name in sorted(os.listdir(self.directory)):
+            if re.fullmatch(r"\d+\..*tmp.*", name):
+                logging.warning("ignoring incomplete checkpoint %s (its save was interrupted)",
+                                os.path.join(self.directory, name))
+
+    # ------------------------------------------------------------ saving
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _on_committed(self) -> None:
+        """Writes the manifest of the pending save once all its files are written.
+
+        Orbax calls this after its handlers have finalized every file and before it
+        renames the temporary directory to WORKDIR/checkpoints/<step>/, so the manifest
+        arrives with the same rename (synchronous saves call it on the final directory).
+        """
+        step, self._pending = self._pending, None
+        if step is None:
+            return
+        step_dir = self._step_dir(step)
+        if not os.path.isdir(step_dir):
+            temporary = glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*"))
+            if len(temporary) != 1:
+                raise CheckpointError(f"cannot find the directory being written for checkpoint "
+                                      f"{step} in {self.directory}")
+            step_dir = temporary[0]
+        manifest = {"format": FORMAT_VERSION, "step": step, "files": file_manifest(step_dir)}
+        tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+        os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+    def save(self, step: int, state: TrainState, run_info: Dict[str, Any]) -> None:
+        """Saves `state` as checkpoint `step` (asynchronously if configured).
+
+        The device arrays are copied to host memory before this returns, so `state`
+        may be donated to the next update right away. The first save of a run is
+        waited for (errors show at once); later ones complete in the background.
+        run_info: JSON-able dict (resolved config, prompt stream position, frozen model
+        sources).
+        Raises CheckpointError when the save (or the previous asynchronous one) fails.
+        """
+        policy, rest = _split_params(state.params)
+        items = dict(policy=ocp.args.StandardSave(policy),
+                     opt_state=ocp.args.StandardSave(state.opt_state),
+                     train=ocp.args.StandardSave({"kl_coef": state.kl_coef,
+                                                  "iteration": state.iteration}),
+                     run=ocp.args.JsonSave({"format": FORMAT_VERSION, "step": step,
+                                            **run_info}))
+        if rest:
+            items["rest"] = ocp.args.StandardSave(rest)
+        self.wait()  # the previous save, before a new one becomes pending
+        first = not self._saved_once
+        try:
+            self._pending = step
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:  # Orbax/tensorstore raise many types; the user needs one message
+            raise CheckpointError(self._failure(step, e)) from e
+        self._saved_once = True
+        if first or not self.options.async_save:
+            # The first save is waited for, so that a full disk or a bad directory shows
+            # at once rather than after the next `every` iterations.
+            self.wait()
+
+    def wait(self) -> None:
+        """Blocks until the last save is committed and its manifest written."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(self._failure(self._pending, e)) from e
+        if self._pending is not None:  # a synchronous manager finished without the callback
+            self._on_committed()
+
+    def _failure(self, step, error: Exception) -> str:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return (f"saving checkpoint {step} to {self.directory} failed: {reason[:300]}; check "
+                f"free disk space and permissions there (earlier checkpoints are untouched)")
+
+    def close(self) -> None:
+        self.wait()
+        self._manager.close()
+
+    # ------------------------------------------------------------ finding and reading
+    def steps(self) -> List[int]:
+        """Committed checkpoint iterations, ascending (verified or not)."""
+        return sorted(self._manager.all_steps())
+
+    def latest_complete(self, set_aside: bool = False) -> Optional[int]:
+        """The newest checkpoint that verifies; newer ones that do not are named in a warning.
+
+        set_aside: also rename each of those to WORKDIR/checkpoints/corrupt-<step>[-k] (kept
+        for inspection, never deleted), so that the run can save that iteration again.
+        """
+        for step in reversed(self.steps()):
+            problem = verify(self._step_dir(step))
+            if problem is None:
+                return step
+            logging.warning("skipping checkpoint %s: %s", self._step_dir(step), problem)
+            if set_aside:
+                self._set_aside(step)
+        return None
+
+    def _set_aside(self, step: int) -> None:
+        target, k = os.path.join(self.directory, f"corrupt-{step}"), 1
+        while os.path.exists(target):
+            k += 1
+            target = os.path.join(self.directory, f"corrupt-{step}-{k}")
+        os.rename(self._step_dir(step), target)
+        self._manager.reload()
+        logging.warning("moved it to %s", target)
+
+    def _checked(self, step: Optional[int]) -> int:
+        if step is None:
+            step = self.latest_complete()
+            if step is None:
+                raise CheckpointError(f"no complete checkpoint in {self.directory}")
+            return step
+        if step not in self.steps():
+            raise CheckpointError(f"no checkpoint {step} in {self.directory}; there are: "
+                                  f"{self.steps() or 'none'}")
+        problem = verify(self._step_dir(step))
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {self._step_dir(step)} cannot be used: {problem}")
+        return step
+
+    def resolve(self, step: Optional[int]):
+        """(step, run_info) of checkpoint `step`, or of the latest complete one when None."""
+        step = self._checked(step)
+        return step, self.run_info(step)
+
+    def run_info(self, step: int) -> Dict[str, Any]:
+        """The JSON saved with checkpoint `step` (config, prompt stream, frozen sources)."""
+        step = self._checked(step)
+        return self._manager.restore(step, args=ocp.args.Composite(
+            run=ocp.args.JsonRestore()))["run"]
+
+    def restore(self, step: int, target: TrainState) -> TrainState:
+        """The full TrainState of checkpoint `step`, placed like `target`.
+
+        target: a TrainState of arrays or ShapeDtypeStructs whose shardings are where
+        the restored arrays go (any mesh; nothing is materialised in the saved layout).
+        """
+        step = self._checked(step)
+        policy, rest = _split_params(_abstract(target.params))
+        items = dict(policy=ocp.args.StandardRestore(policy),
+                     opt_state=ocp.args.StandardRestore(_abstract(target.opt_state)),
+                     train=ocp.args.StandardRestore(_abstract({"kl_coef": target.kl_coef,
+                                                               "iteration": target.iteration})))
+        if rest:
+            items["rest"] = ocp.args.StandardRestore(rest)
+        out = self._manager.restore(step, args=ocp.args.Composite(**items))
+        params = {"policy": out["policy"], **(dict(out["rest"]) if rest else {})}
+        return TrainState(params, out["opt_state"], out["train"]["kl_coef"],
+                          out["train"]["iteration"])
+
+    def restore_policy(self, step: Optional[int], target) -> Any:
+        """Only the policy parameters of checkpoint `step` (latest complete if None),
+        placed like `target` (no optimizer state is read). Returns (step, params)."""
+        step = self._checked(step)
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            policy=ocp.args.StandardRestore(_abstract(target))))
+        return step, out["policy"]

@@ -1,0 +1,29 @@
+"""Export entry point: `pjit-ppo-export` or `python launch/export_hf.py`.
+
+  pjit-ppo-export --workdir=DIR --output=OUT [--step=N]
+
+Writes the policy of checkpoint N (latest complete by default) to OUT as an HF model
+directory (config.json + safetensors) that transformers loads.
+"""
+from absl import app, flags, logging
+
+from pjit_ppo.cli import common
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run directory holding checkpoints/.")
+_OUTPUT = flags.DEFINE_string("output", None, "Directory to write the HF model to.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint iteration (default: latest complete).")
+flags.mark_flags_as_required(["workdir", "output"])
+
+
+def main(argv):
+    common.no_extra_args(argv)
+    common.setup_jax()
+    from pjit_ppo import export
+    with common.user_errors():
+        step, path = export.export_policy(_WORKDIR.value, _OUTPUT.value, _STEP.value)
+    logging.info("exported the policy of checkpoint %d to %s", step, path)
+
+
+def run_main():
+    common.tune_cpu_malloc()
+    app.run(main)

@@ -1,0 +1,118 @@
+"""Evaluate a checkpoint: the policy against the reference policy on held-out prompts.
+
+Restores only the policy parameters of one checkpoint (no optimizer state is read),
+samples one response per prompt from the policy and from the reference policy (the
+run's initial policy), scores both with the run's reward and post-processing, and
+measures the KL of the policy to the reference on the policy's samples. Writes
+WORKDIR/eval/<step>/eval.json and samples.jsonl.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjit_ppo import checkpoint, data, rng, sampling, sharding
+from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
+from pjit_ppo.ppo import assemble, scoring
+from pjit_ppo.ppo.rewards import score_responses
+from pjit_ppo.ppo.run import load_lm, load_reward
+
+#: Config fields that must equal the checkpoint's: they define the models and the reward.
+MODEL_FIELDS = ("model.", "reward.")
+
+
+def _check_matches(saved: Dict[str, Any], config: RunConfig, step: int) -> None:
+    conflicts = {k: v for k, v in resume_conflicts(saved, config.to_dict()).items()
+                 if k.startswith(MODEL_FIELDS)}
+    if conflicts:
+        listed = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in conflicts.items())
+        raise ConfigError(f"the config does not describe the models of checkpoint {step}: "
+                          f"{listed}")
+
+
+def win_rate(policy_scores: np.ndarray, reference_scores: np.ndarray) -> float:
+    """Fraction of prompts where the policy's response scores higher; ties count half."""
+    p, r = np.asarray(policy_scores), np.asarray(reference_scores)
+    return float(np.mean((p > r) + 0.5 * (p == r)))
+
+
+def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dict[str, Any]:
+    """Evaluates checkpoint `step` (latest complete when None) of the run in `workdir`.
+
+    Returns the eval.json dict: checkpoint_step, num_prompts, reward_mean, reward_std,
+    reference_reward_mean, kl_mean, win_rate_vs_reference, temperature, greedy.
+    """
+    config.validate()
+    ckpt = checkpoint.RunCheckpointer(workdir, config.checkpoint, read_only=True)
+    step, run_info = ckpt.resolve(step)
+    _check_matches(run_info["config"], config, step)
+    cfg, ev = config.ppo, config.evaluation
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    policy_cfg, initial = load_lm(config.model, config.model.policy_path, mesh, cfg.seed)
+    reference = assemble.make_frozen(initial, policy_cfg.compute_dtype)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          initial)
+    jax.tree.map(lambda x: x.delete(), initial)
+    _, policy = ckpt.restore_policy(step, target)
+    _, reward_fn, reward_params, _ = load_reward(config, mesh)
+
+    temperature = ev.temperature or cfg.temperature
+    prompts = data.synthetic_prompts(
+        mesh, batch_size=ev.num_prompts, query_length=cfg.query_length,
+        vocab_size=policy_cfg.vocab_size, pad_id=cfg.pad_token_id, seed=ev.seed,
+        min_length=config.data.min_prompt_length, low=config.data.low_token,
+        purpose="eval_prompts")
+    query, query_mask = prompts(0)
+    policy_key, reference_key = jax.random.split(rng.stream_key(ev.seed, "eval_sample", step))
+
+    @jax.jit
+    def run(policy, reference, reward_params, query, query_mask, policy_key, reference_key):
+        def sample(params, key):
+            return sampling.generate(policy_cfg, params, query, query_mask, key,
+                                     max_new_tokens=cfg.response_length, temperature=temperature,
+                                     top_k=cfg.top_k, top_p=cfg.top_p,
+                                     top_p_mode=cfg.top_p_mode, greedy=ev.greedy, mesh=mesh)[0]
+        response, ref_response = sample(policy, policy_key), sample(reference, reference_key)
+        scores = score_responses(cfg, reward_fn, reward_params, query, query_mask, response)[0]
+        ref_scores = score_responses(cfg, reward_fn, reward_params, query, query_mask,
+                                     ref_response)[0]
+        kl = (scoring.response_logprobs(policy_cfg, policy, query, query_mask, response,
+                                        temperature)
+              - scoring.response_logprobs(policy_cfg, reference, query, query_mask, response,
+                                          temperature))
+        return response, ref_response, scores, ref_scores, jnp.sum(kl, axis=1)
+
+    out = jax.device_get(run(policy, reference, reward_params, query, query_mask, policy_key,
+                             reference_key))
+    response, ref_response, scores, ref_scores, kl = (np.asarray(x) for x in out)
+    result = {
+        "checkpoint_step": step,
+        "num_prompts": ev.num_prompts,
+        "reward_mean": float(scores.mean()),
+        "reward_std": float(scores.std()),
+        "reference_reward_mean": float(ref_scores.mean()),
+        "kl_mean": float(kl.mean()),
+        "win_rate_vs_reference": win_rate(scores, ref_scores),
+        "temperature": temperature,
+        "greedy": ev.greedy,
+    }
+    out_dir = os.path.join(os.path.abspath(workdir), "eval", str(step))
+    os.makedirs(out_dir, exist_ok=True)
+    q, m = np.asarray(jax.device_get(query)), np.asarray(jax.device_get(query_mask))
+    with open(os.path.join(out_dir, "samples.jsonl.tmp"), "w") as f:
+        for i in range(ev.num_prompts):
+            f.write(json.dumps({
+                "prompt": q[i][m[i]].tolist(), "policy_response": response[i].tolist(),
+                "reference_response": ref_response[i].tolist(),
+                "policy_reward": float(scores[i]), "reference_reward": float(ref_scores[i]),
+                "kl": float(kl[i])}) + "\n")
+    os.replace(os.path.join(out_dir, "samples.jsonl.tmp"), os.path.join(out_dir, "samples.jsonl"))
+    with open(os.path.join(out_dir, "eval.json.tmp"), "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(os.path.join(out_dir, "eval.json.tmp"), os.path.join(out_dir, "eval.json"))
+    return result

@@ -1,0 +1,244 @@
+"""Checkpoints as users meet them: resume, preemption signals, hard kills, corrupt files,
+config changes, unwritable and full disks, another mesh. Real processes, real files.
+
+Every resumed run is compared with one uninterrupted run of the same command: apart from
+timings, its metrics.jsonl and its final parameters and optimizer state must be equal
+bit for bit (CPU).
+"""
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import runs
+
+pytestmark = pytest.mark.slow
+
+
+def _arrays(workdir, step):
+    """Every array of checkpoint `step` as numpy, keyed by item and tree path."""
+    out = {}
+    step_dir = os.path.join(workdir, "checkpoints", str(step))
+    with ocp.StandardCheckpointer() as ckptr:
+        for item in ("policy", "rest", "opt_state", "train"):
+            tree = ckptr.restore(os.path.join(step_dir, item))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+                out[item + jax.tree_util.keystr(path)] = np.asarray(leaf)
+    return out
+
+
+def _assert_same_arrays(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 12-iteration run with a checkpoint every 3 iterations."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    proc = runs.run("train_ppo.py", *runs.train_args(workdir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "6", "9"]  # keep = 3
+    return workdir
+
+
+def test_sigterm_then_same_command_continues_exactly(reference, tmp_path):
+    workdir = tmp_path / "run"
+    proc = runs.start("train_ppo.py", *runs.train_args(workdir), log_path=tmp_path / "1.log")
+    runs.wait_for(lambda: runs.metric_lines(workdir) >= 4, proc=proc)
+    assert runs.kill(proc, signal.SIGTERM) == 0
+    log = (tmp_path / "1.log").read_text()
+    stopped = runs.metric_lines(workdir)
+    assert f"preempted at iteration {stopped}, saved checkpoint {stopped}" in log
+    assert stopped < 12 and os.path.isdir(workdir / "checkpoints" / str(stopped))
+
+    proc = runs.run("train_ppo.py", *runs.train_args(workdir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from checkpoint {stopped}" in proc.stderr
+    runs.assert_same_metrics(reference / "metrics.jsonl", workdir / "metrics.jsonl")
+    _assert_same_arrays(_arrays(reference, 12), _arrays(workdir, 12))
+
+
+def test_sigint_saves_and_exits_cleanly(tmp_path):
+    workdir = tmp_path / "run"
+    proc = runs.start("train_ppo.py", *runs.train_args(workdir, every=100),
+                      log_path=tmp_path / "log")
+    runs.wait_for(lambda: runs.metric_lines(workdir) >= 2, proc=proc)
+    assert runs.kill(proc, signal.SIGINT) == 0
+    stopped = runs.metric_lines(workdir)
+    assert f"preempted at iteration {stopped}, saved checkpoint {stopped}" in (
+        tmp_path / "log").read_text()
+    from pjit_ppo import checkpoint
+    assert checkpoint.verify(str(workdir / "checkpoints" / str(stopped))) is None
+
+
+def test_sigkill_at_any_moment_loses_at_most_the_work_since_the_last_checkpoint(
+        reference, tmp_path):
+    workdir = tmp_path / "run"
+    args = runs.train_args(workdir)
+    # 1. Killed while compiling: nothing saved, the next start begins afresh.
+    proc = runs.start("train_ppo.py", *args, log_path=tmp_path / "1.log")
+    runs.wait_for(lambda: os.path.exists(workdir / "config.json"), proc=proc)
+    runs.kill(proc)
+    # 2. Killed while the first checkpoint is being written.
+    proc = runs.start("train_ppo.py", *args, log_path=tmp_path / "2.log")
+    runs.wait_for(lambda: glob.glob(str(workdir / "checkpoints" / "*.orbax-checkpoint-tmp*")),
+                  proc=proc)
+    runs.kill(proc)
+    partial = glob.glob(str(workdir / "checkpoints" / "*.orbax-checkpoint-tmp*"))
+    assert partial, "the kill did not land during a save"
+    # 3. Killed between two checkpoints, after the third one.
+    proc = runs.start("train_ppo.py", *args, log_path=tmp_path / "3.log")
+    runs.wait_for(lambda: runs.metric_lines(workdir) >= 10, proc=proc)
+    runs.kill(proc)
+    log3 = (tmp_path / "3.log").read_text()
+    assert f"ignoring incomplete checkpoint {partial[0]}" in log3
+    assert "resuming from checkpoint" not in log3  # the partial one was never loaded
+    # 4. The same command finishes the run as if nothing had happened.
+    proc = runs.run("train_ppo.py", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 9 unless the kill landed before its asynchronous save was committed.
+    assert re.search(r"resuming from checkpoint (6|9) ", proc.stderr), proc.stderr[-3000:]
+    runs.assert_same_metrics(reference / "metrics.jsonl", workdir / "metrics.jsonl")
+    _assert_same_arrays(_arrays(reference, 12), _arrays(workdir, 12))
+
+
+def test_corrupt_checkpoints_are_skipped_named_and_kept(reference, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    files12 = sorted(glob.glob(str(workdir / "checkpoints/12/policy/**/*"), recursive=True),
+                     key=lambda p: os.path.getsize(p) if os.path.isfile(p) else -1)
+    truncated = files12[-1]
+    os.truncate(truncated, os.path.getsize(truncated) // 2)
+    deleted = sorted(p for p in glob.glob(str(workdir / "checkpoints/9/opt_state/**/*"),
+                                          recursive=True) if os.path.isfile(p))[0]
+    os.remove(deleted)
+
+    proc = runs.run("train_ppo.py", *runs.train_args(workdir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rel12 = os.path.relpath(truncated, workdir / "checkpoints" / "12")
+    rel9 = os.path.relpath(deleted, workdir / "checkpoints" / "9")
+    assert f"skipping checkpoint {workdir}/checkpoints/12: file {rel12} has" in proc.stderr
+    assert f"skipping checkpoint {workdir}/checkpoints/9: file {rel9} is missing" in proc.stderr
+    assert "resuming from checkpoint 6" in proc.stderr
+    # Set aside for inspection, never deleted; the run then wrote 9 and 12 again.
+    assert os.path.isdir(workdir / "checkpoints" / "corrupt-12")
+    assert os.path.isdir(workdir / "checkpoints" / "corrupt-9")
+    runs.assert_same_metrics(reference / "metrics.jsonl", workdir / "metrics.jsonl")
+    _assert_same_arrays(_arrays(reference, 12), _arrays(workdir, 12))
+
+
+def _tree_digest(root):
+    return {os.path.relpath(p, root): open(p, "rb").read()
+            for p in glob.glob(str(root / "**"), recursive=True) if os.path.isfile(p)}
+
+
+def test_config_change_that_alters_the_run_is_refused(reference, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    before = _tree_digest(workdir)
+    proc = runs.run("train_ppo.py", *runs.train_args(workdir, "--config.ppo.lr=0.001",
+                                                     "--config.ppo.noptepochs=2"))
+    assert proc.returncode == 2
+    message = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(message) == 1 and "Traceback" not in proc.stderr
+    assert "ppo.lr: checkpoint 0.003, now 0.001" in message[0]
+    assert "ppo.noptepochs: checkpoint 4, now 2" in message[0]
+    assert _tree_digest(workdir) == before  # nothing of the earlier run was touched
+
+
+def test_allowed_changes_resume(reference, tmp_path):
+    """A longer run and a different mesh layout may resume (8 devices now, 1 before)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(reference, workdir)
+    proc = runs.run("train_ppo.py", *runs.train_args(workdir, "--config.mesh.fsdp=4",
+                                                     "--config.mesh.data=2", iterations=13),
+                    devices=8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from checkpoint 12" in proc.stderr
+    lines = runs.strict_lines(workdir / "metrics.jsonl")
+    assert [r["iteration"] for r in lines] == list(range(1, 14))
+
+
+def test_unwritable_checkpoint_directory_fails_before_training(tmp_path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "checkpoints").write_text("a file where the checkpoint directory should be")
+    proc = runs.run("train_ppo.py", *runs.train_args(workdir))
+    assert proc.returncode == 1
+    assert "error: checkpoint: cannot write checkpoints to" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (workdir / "metrics.jsonl").exists()
+
+
+def test_full_disk_fails_at_the_first_save_with_one_message(tmp_path):
+    """Files may not grow past 64 KiB (RLIMIT_FSIZE, as a disk that fills up): the first
+    checkpoint cannot be written."""
+    limit = ("import os, resource, signal, sys; "
+             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "  # EFBIG instead of a kill
+             "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10)); "
+             "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    workdir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", limit,
+                           *runs.command("train_ppo.py", *runs.train_args(workdir))[1:]],
+                          env=runs.env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    message = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(message) == 1
+    assert message[0].startswith("error: checkpoint: saving checkpoint 3 to ")
+    assert "check free disk space" in message[0]
+    assert runs.metric_lines(workdir) == 3  # stopped at the first save
+
+
+RESTORE = """
+import importlib.util, sys
+import jax, numpy as np
+from pjit_ppo import checkpoint
+from pjit_ppo.ppo import run
+workdir, out, fsdp, tensor, recipe = sys.argv[1:6]
+spec = importlib.util.spec_from_file_location("recipe", recipe)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+config = module.get_config()
+config.mesh.fsdp, config.mesh.tensor, config.measure_peak = int(fsdp), int(tensor), False
+state = run.build(config).state
+target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      state)
+restored = checkpoint.RunCheckpointer(workdir, read_only=True).restore(3, target)
+w = restored.params["policy"]["transformer/layers/attn/q"]["w"]
+assert w.sharding == target.params["policy"]["transformer/layers/attn/q"]["w"].sharding
+np.savez(out, **{jax.tree_util.keystr(p): np.asarray(x)
+                 for p, x in jax.tree_util.tree_leaves_with_path(restored)})
+print("restored onto", len(w.sharding.device_set), "devices:", w.sharding.spec)
+"""
+
+
+def test_restore_onto_another_mesh(tmp_path):
+    """Saved on 8 devices (fsdp 4 x tensor 2); restored on 8, 2 and 1 devices with abstract
+    targets in each process's own layout: every array equal."""
+    workdir = tmp_path / "run"
+    proc = runs.run("train_ppo.py", *runs.train_args(workdir, "--config.mesh.fsdp=4",
+                                                     "--config.mesh.tensor=2",
+                                                     iterations=3), devices=8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dumps = {}
+    for devices, fsdp, tensor in ((8, 4, 2), (2, 2, 1), (1, 1, 1)):
+        out = tmp_path / f"restored_{devices}.npz"
+        proc = subprocess.run([sys.executable, "-c", RESTORE, str(workdir), str(out), str(fsdp),
+                               str(tensor), runs.TINY], env=runs.env(devices),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"restored onto {devices} devices" in proc.stdout
+        dumps[devices] = dict(np.load(out))
+    assert len(dumps[8]) > 20  # policy, critic, both Adam moments, counts, kl_coef, iteration
+    _assert_same_arrays(dumps[8], dumps[2])
+    _assert_same_arrays(dumps[8], dumps[1])
