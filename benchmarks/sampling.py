@@ -6,10 +6,15 @@ Both run the same random-weight GPT-2-architecture model (vocab 50257, d_model
 `pjit_ppo.models.load_pretrained`. Sampling follows the reference recipe:
 temperature 0.7, no top-k / top-p, exactly `new_tokens` tokens per row.
 
+With `--samples_per_prompt G`, each of the `--batch` prompts is sampled G times
+(batch x G rows): ours repeats the prompt rows as the PPO rollout does, and
+transformers gets `num_return_sequences=G`.
+
 Prints compile time (ours), then the median over `--runs` timed runs (after a
 warm-up) of new tokens per second for each, and the ratio. No assertions.
 
     python benchmarks/sampling.py [--batch 64 --prompt 64 --new_tokens 24 --runs 5]
+    python benchmarks/sampling.py --batch 64 --samples_per_prompt 4   # 256 rows
 """
 from __future__ import annotations
 
@@ -39,7 +44,9 @@ def _median_time(fn, runs: int) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="prompts")
+    parser.add_argument("--samples_per_prompt", type=int, default=1,
+                        help="responses per prompt (rows = batch x samples_per_prompt)")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new_tokens", type=int, default=24)
     parser.add_argument("--runs", type=int, default=5)
@@ -85,16 +92,19 @@ def main(argv=None):
     n_real = rng.randint(args.prompt // 2, args.prompt + 1, args.batch)
     mask = np.arange(args.prompt)[None, :] >= (args.prompt - n_real)[:, None]
     ids = np.where(mask, ids, pad_id)
-    new_tokens = args.batch * args.new_tokens
+    g = args.samples_per_prompt
+    new_tokens = args.batch * g * args.new_tokens
     print(f"model: GPT-2 arch, vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, "
-          f"{args.heads} heads, fp32; batch {args.batch}, prompt {args.prompt}, "
+          f"{args.heads} heads, fp32; batch {args.batch} prompts x {g} samples = "
+          f"{args.batch * g} rows, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens; {cores} CPU cores; jax backend "
           f"{jax.default_backend()} ({jax.device_count()} device(s))")
 
     # ---- ours
     fn = make_generate_fn(config, max_new_tokens=args.new_tokens,
                           temperature=args.temperature)
-    j_ids, j_mask = jnp.asarray(ids), jnp.asarray(mask)
+    # Each prompt's samples in contiguous rows, as the PPO rollout lays out a group.
+    j_ids, j_mask = jnp.asarray(np.repeat(ids, g, 0)), jnp.asarray(np.repeat(mask, g, 0))
     start = time.perf_counter()
     compiled = fn.lower(params, j_ids, j_mask, jax.random.PRNGKey(0)).compile()
     compile_s = time.perf_counter() - start
@@ -119,8 +129,9 @@ def main(argv=None):
             out = model.generate(t_ids, attention_mask=t_mask, do_sample=True,
                                  temperature=args.temperature, top_k=0, top_p=1.0,
                                  max_new_tokens=args.new_tokens,
-                                 min_new_tokens=args.new_tokens, pad_token_id=pad_id)
-        assert out.shape[1] == args.prompt + args.new_tokens
+                                 min_new_tokens=args.new_tokens, pad_token_id=pad_id,
+                                 num_return_sequences=g)
+        assert out.shape == (args.batch * g, args.prompt + args.new_tokens)
 
     theirs()  # warm-up
     # Interleave the timed runs so that load from other processes hits both alike.

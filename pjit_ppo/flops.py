@@ -163,6 +163,9 @@ def ppo_phase_flops(cfg, models, reward_model=None) -> dict[str, float]:
     scoring passes' last layer only at the positions they read (R for logprobs and
     values, R + 1 for the reward). The backward pass is counted as twice the
     forward; recomputation from remat is not counted (MFU counts useful work only).
+    Every one of the batch_size episodes is sampled and scored in full, also when
+    several share a prompt (ppo.samples_per_prompt). A critic is counted only when the
+    estimator trains one (`cfg.uses_critic`) and it is separate (`models.critic`).
 
     Args:
       cfg: the PPOConfig; models: the run's PPOModels (policy and critic configs);
@@ -173,7 +176,7 @@ def ppo_phase_flops(cfg, models, reward_model=None) -> dict[str, float]:
     pol = models.policy
     sample = forward_flops(pol, q, q, 1) + forward_flops(pol, r, q + r // 2, r)
     policy_fwd = forward_flops(pol, q + r, q + r, r, last_layer_tokens=r)
-    critic_fwd = (0.0 if models.critic is None else
+    critic_fwd = (0.0 if models.critic is None or not cfg.uses_critic else
                   forward_flops(models.critic, q + r, q + r, 0, last_layer_tokens=r))
     reward_fwd = (forward_flops(reward_model, q + r, q + r, 0, last_layer_tokens=r + 1)
                   if reward_model else 0.0)

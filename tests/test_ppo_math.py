@@ -195,3 +195,112 @@ def test_fixed_kl_controller_and_validation():
     np.testing.assert_allclose(float(coef), 0.05, rtol=1e-7)
     with pytest.raises(ConfigError, match="ppo.kl_controller='linear'"):
         PPOConfig(kl_controller="linear")
+
+
+# ---------------------------------------------------------------- policy-loss options
+
+def _np_aggregate(x, m, how):
+    if how == "token_mean":
+        return (x * m).sum() / m.sum()
+    if how == "sequence_mean":
+        return np.mean([(x[i] * m[i]).sum() / m[i].sum() for i in range(len(x))])
+    return np.mean((x * m).sum(1)) / x.shape[1]  # sequence_sum, Dr. GRPO's constant
+
+
+def _prefix_mask(rng, shape):
+    return np.arange(shape[1])[None, :] <= rng.integers(0, shape[1], size=(shape[0], 1))
+
+
+@pytest.mark.parametrize("how", ["token_mean", "sequence_mean", "sequence_sum"])
+def test_aggregate(how):
+    (x,), rng = _rand(4, (5, 7))
+    mask = _prefix_mask(rng, x.shape)
+    got = jax.jit(losses.aggregate, static_argnums=2)(x, mask, how)
+    np.testing.assert_allclose(got, _np_aggregate(x.astype(np.float64), mask, how), rtol=1e-5)
+    full = np.ones_like(mask)
+    np.testing.assert_allclose(losses.aggregate(x, full, how), x.mean(), rtol=1e-5)
+    with pytest.raises(ValueError, match="loss aggregation 'sum'"):
+        losses.aggregate(x, mask, "sum")
+
+
+def test_aggregations_weigh_tokens_differently():
+    x = np.array([[1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0]], np.float32)
+    mask = np.array([[1, 1, 1, 1], [1, 0, 0, 0]], bool)
+    assert float(losses.aggregate(x, mask, "token_mean")) == pytest.approx(7 / 5)
+    assert float(losses.aggregate(x, mask, "sequence_mean")) == pytest.approx(2.0)
+    assert float(losses.aggregate(x, mask, "sequence_sum")) == pytest.approx(7 / 8)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_decoupled_clipping(seed):
+    """DAPO's clip-higher: the ratio is clipped to [1 - low, 1 + high]."""
+    (old, adv, noise), rng = _rand(seed, (8, 12), 3)
+    new = old + 0.3 * noise
+    mask = _prefix_mask(rng, (8, 12))
+    low, high = 0.1, 0.3
+    loss, stats = jax.jit(losses.policy_loss, static_argnums=(6, 7))(
+        new, old, adv, mask, low, high, "token", "sequence_mean")
+    n, o, a = (v.astype(np.float64) for v in (new, old, adv))
+    ratio = np.exp(n - o)
+    l1, l2 = -a * ratio, -a * np.clip(ratio, 1 - low, 1 + high)
+    np.testing.assert_allclose(loss, _np_aggregate(np.maximum(l1, l2), mask, "sequence_mean"),
+                               rtol=1e-5, atol=1e-6)
+    clipped = l2 > l1
+    np.testing.assert_allclose(stats["clipfrac"], _np_masked_mean(clipped, mask), rtol=1e-6)
+    np.testing.assert_allclose(stats["clipfrac_low"],
+                               _np_masked_mean(clipped & (ratio < 1 - low), mask), rtol=1e-6)
+    np.testing.assert_allclose(stats["clipfrac_high"],
+                               _np_masked_mean(clipped & (ratio > 1 + high), mask), rtol=1e-6)
+    assert float(stats["clipfrac_low"]) > 0 and float(stats["clipfrac_high"]) > 0
+    # Symmetric when high is not given: the original loss.
+    sym, _ = losses.policy_loss(new, old, adv, mask, 0.2)
+    same, _ = losses.policy_loss(new, old, adv, mask, 0.2, 0.2)
+    assert float(sym) == float(same)
+
+
+def _np_gspo_loss(new, old, adv_seq, mask, low, high):
+    """GSPO (Zheng et al. 2025): s_i = exp(mean_t (logp - logp_old)); loss =
+    -mean_i min(s_i A_i, clip(s_i, 1 - low, 1 + high) A_i)."""
+    s = np.exp(np.array([(new[i] - old[i])[mask[i]].mean() for i in range(len(new))]))
+    return np.mean(np.maximum(-adv_seq * s, -adv_seq * np.clip(s, 1 - low, 1 + high)))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sequence_importance_ratio_is_gspo(seed):
+    """With one advantage per sequence and sequence_mean aggregation, the loss and its
+    gradient are GSPO's sequence-level objective."""
+    (old, noise), rng = _rand(seed, (6, 10), 2)
+    new = old + 0.05 * noise
+    adv_seq = rng.normal(size=6).astype(np.float32)
+    mask = _prefix_mask(rng, (6, 10))
+    adv = np.where(mask, adv_seq[:, None], 0).astype(np.float32)
+    low, high = 3e-3, 4e-3  # GSPO-sized ranges, so some sequences clip and some do not
+
+    def ours(new):
+        return losses.policy_loss(new, old, adv, mask, low, high, "sequence",
+                                  "sequence_mean")[0]
+
+    def direct(new):  # GSPO written on the sequence ratio itself, no stop-gradient trick
+        s = jnp.exp(jnp.sum(jnp.where(mask, new - old, 0), 1) / mask.sum(1))
+        return jnp.mean(jnp.maximum(-adv_seq * s, -adv_seq * jnp.clip(s, 1 - low, 1 + high)))
+
+    np.testing.assert_allclose(ours(new), _np_gspo_loss(new.astype(np.float64), old, adv_seq,
+                                                        mask, low, high), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(ours)(new), jax.grad(direct)(new), rtol=1e-4,
+                               atol=1e-6)
+    _, stats = losses.policy_loss(new, old, adv, mask, low, high, "sequence", "sequence_mean")
+    assert 0 < float(stats["clipfrac"]) < 1
+    # Every token of a sequence shares its ratio, so clipping is decided per sequence.
+    s = np.exp(np.array([(new[i] - old[i])[mask[i]].mean() for i in range(6)]))
+    np.testing.assert_allclose(stats["ratio"], _np_masked_mean(np.broadcast_to(
+        s[:, None], mask.shape), mask), rtol=1e-5)
+
+
+def test_k3_kl():
+    (lp, noise), _ = _rand(5, (4, 6), 2)
+    ref = lp + noise
+    got = np.asarray(losses.k3_kl(lp, ref), np.float64)
+    d = ref.astype(np.float64) - lp
+    np.testing.assert_allclose(got, np.exp(d) - d - 1, rtol=1e-5, atol=1e-6)
+    assert (got >= 0).all()
+    assert np.all(np.asarray(losses.k3_kl(lp, lp)) == 0)

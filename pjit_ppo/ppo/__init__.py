@@ -6,9 +6,11 @@ from pjit_ppo.config import PPOConfig
 from pjit_ppo.ppo import estimators, losses
 from pjit_ppo.ppo.assemble import make_critic, make_frozen, trunk_only
 from pjit_ppo.ppo.collect import collect
-from pjit_ppo.ppo.estimators import Estimator, gae, whiten
+from pjit_ppo.ppo.estimators import (Estimator, gae, grpo_advantages, reinforce_pp_advantages,
+                                     rloo_advantages, whiten)
 from pjit_ppo.ppo.kl import kl_init, kl_update
-from pjit_ppo.ppo.losses import clipped_ppo_loss, policy_loss, value_loss
+from pjit_ppo.ppo.losses import (clipped_ppo_loss, grpo_loss, policy_gradient_loss, policy_loss,
+                                 value_loss)
 from pjit_ppo.ppo.rewards import model_reward_fn, target_token_reward
 from pjit_ppo.ppo.rollout import rollout
 from pjit_ppo.ppo.run import Job, build, train
@@ -23,4 +25,6 @@ __all__ = [
     "value_loss", "model_reward_fn", "target_token_reward", "rollout", "Job", "build", "train",
     "NonFiniteError", "PPOTrainer", "make_ppo_optimizer", "Experience", "PPOModels", "PromptFn",
     "RewardFn", "RolloutBatch", "TrainState", "epoch_permutations", "update",
+    "grpo_advantages", "rloo_advantages", "reinforce_pp_advantages", "policy_gradient_loss",
+    "grpo_loss",
 ]

@@ -22,17 +22,23 @@ def rollout(cfg: PPOConfig, models: PPOModels, params, frozen, kl_coef: jax.Arra
     """One rollout over a batch of prompts.
 
     Args:
-      params: {"policy": ..., "critic": ...} (or {"policy", "value_head"} when shared).
+      params: {"policy": ..., "critic": ...} ({"policy", "value_head"} when shared,
+        {"policy"} with a critic-free estimator).
       frozen: {"ref": reference policy params, "reward": reward params (any pytree)}.
       kl_coef: float32 scalar, current KL coefficient.
-      query: int32 [B, Q] left-padded prompts; query_mask bool [B, Q].
+      query: int32 [P, Q] left-padded prompts, P = ppo.batch_size // samples_per_prompt;
+        query_mask bool [P, Q].
       key: PRNG key of this iteration's sampling.
     Returns:
-      (RolloutBatch, dict of float32 scalar metrics).
+      (RolloutBatch of ppo.batch_size rows, dict of float32 scalar metrics).
     """
+    estimator = estimators.get(cfg.advantage_estimator)
     exp, metrics = collect(cfg, models, params, frozen, query, query_mask, key, mesh)
-    advantages, returns, estimator_metrics = estimators.get(cfg.advantage_estimator).advantages(
-        cfg, exp, kl_coef)
+    advantages, returns, estimator_metrics = estimator.advantages(cfg, exp, kl_coef)
     batch = RolloutBatch(exp.query, exp.query_mask, exp.response, exp.logprobs, exp.values,
-                         advantages, returns)
-    return batch, {**metrics, **estimator_metrics, "objective/kl_coef": kl_coef}
+                         advantages, returns, mask=exp.mask,
+                         ref_logprobs=exp.ref_logprobs if estimator.loss_uses_ref else None)
+    metrics = {**metrics, **estimator_metrics}
+    if estimator.kl_in_reward:
+        metrics["objective/kl_coef"] = kl_coef
+    return batch, metrics

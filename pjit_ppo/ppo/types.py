@@ -21,7 +21,8 @@ class PPOModels:
     """Static description of the models of a run (hashable, closed over by jit).
 
     policy: the policy's (and reference's) architecture.
-    critic: the separate critic's architecture; None with a shared trunk.
+    critic: the separate critic's architecture; None with a shared trunk or a
+      critic-free estimator (ppo.advantage_estimator "grpo", "rloo", "reinforce_pp").
     reward_fn: scores (query, truncated response); `rewards.model_reward_fn(config)`
       gives the reward-model one; tests and demos may pass any function of tokens.
     """
@@ -33,32 +34,43 @@ class PPOModels:
 class Experience(NamedTuple):
     """What collection produces: sampled episodes and their scores, before any estimator.
 
-    Every field is [B, ...], sharded over the batch.
+    Every field is [B, ...], sharded over the batch; B = ppo.batch_size episodes, the
+    ppo.samples_per_prompt samples of a prompt in contiguous rows.
     """
     query: jax.Array          # int32 [B, Q], left-padded
     query_mask: jax.Array     # bool [B, Q]
     response: jax.Array       # int32 [B, R], raw sampled tokens (PPO trains on these)
     logprobs: jax.Array       # float32 [B, R], policy at sampling time (temperature-scaled)
     ref_logprobs: jax.Array   # float32 [B, R], frozen reference policy
-    values: jax.Array         # float32 [B, R], critic at sampling time
+    values: Optional[jax.Array]  # float32 [B, R], critic at sampling time; None without one
     scores: jax.Array         # float32 [B], reward of the truncated response (penalty applied)
+    mask: Optional[jax.Array] = None  # bool [B, R], the tokens that count (up to and including
+    #                                   the stop token); None = every token (the "gae" rule)
 
 
 class RolloutBatch(NamedTuple):
-    """What the update trains on; every field is [B, ...], sharded over the batch."""
+    """What the update trains on; every field is [B, ...], sharded over the batch.
+
+    Fields an estimator does not use are None (no buffer, nothing to shard): values
+    and returns without a critic, mask with every token counting ("gae"),
+    ref_logprobs unless the loss has a KL term ("grpo").
+    """
     query: jax.Array        # int32 [B, Q], left-padded
     query_mask: jax.Array   # bool [B, Q]
     response: jax.Array     # int32 [B, R], raw sampled tokens
     logprobs: jax.Array     # float32 [B, R], policy at sampling time
-    values: jax.Array       # float32 [B, R], critic at sampling time
+    values: Optional[jax.Array]   # float32 [B, R], critic at sampling time
     advantages: jax.Array   # float32 [B, R], from the configured estimator
-    returns: jax.Array      # float32 [B, R], value targets
+    returns: Optional[jax.Array]  # float32 [B, R], value targets
+    mask: Optional[jax.Array] = None          # bool [B, R], tokens the loss counts
+    ref_logprobs: Optional[jax.Array] = None  # float32 [B, R], frozen reference policy
 
 
 class TrainState(NamedTuple):
     """Everything that changes during training (what a checkpoint must hold).
 
-    params: {"policy": ..., "critic": ...} or {"policy": ..., "value_head": ...}.
+    params: {"policy": ..., "critic": ...} or {"policy": ..., "value_head": ...}, or
+      {"policy": ...} with a critic-free estimator.
     opt_state: optax state, sharded like params.
     kl_coef: float32 scalar.
     iteration: int32 scalar, number of completed PPO iterations.

@@ -36,7 +36,8 @@ def update(cfg: PPOConfig, models: PPOModels, optimizer: optax.GradientTransform
 
     Args:
       state: TrainState (donated by the trainer's jit).
-      batch: RolloutBatch with global batch size cfg.batch_size.
+      batch: RolloutBatch with global batch size cfg.batch_size (fields the estimator
+        does not use are None).
       rollout_kl: float32 scalar, batch mean of the summed per-token KL (objective/kl);
         the adaptive KL controller is updated from this global mean.
       key: PRNG key of this iteration's update (epoch keys are split from it).
@@ -86,6 +87,9 @@ def update(cfg: PPOConfig, models: PPOModels, optimizer: optax.GradientTransform
         # lm-human-preferences' definition: an update-time metric. NaN (written as null)
         # when every return is equal.
         metrics["ppo/val/var_explained"] = 1.0 - metrics["ppo/val/error"] / jnp.var(batch.returns)
-    kl_coef = kl_update(cfg, state.kl_coef, rollout_kl, cfg.batch_size)
+    if estimators.get(cfg.advantage_estimator).kl_in_reward:
+        kl_coef = kl_update(cfg, state.kl_coef, rollout_kl, cfg.batch_size)
+    else:  # the KL is a loss term with the fixed ppo.kl_loss_coef
+        kl_coef = state.kl_coef
     new_state = TrainState(params, opt_state, kl_coef, state.iteration + 1)
     return new_state, metrics
