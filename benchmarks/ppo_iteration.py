@@ -23,7 +23,7 @@ if __name__ == "__main__":  # before jax starts: see pjit_ppo/cli/cpu_malloc.py
 
 import jax  # noqa: E402
 
-from pjit_ppo import data, flops  # noqa: E402
+from pjit_ppo import flops  # noqa: E402
 from pjit_ppo.config import MeshConfig, ModelOptions, PPOConfig, RewardOptions, RunConfig  # noqa: E402,E501
 from pjit_ppo.ppo import run  # noqa: E402
 
@@ -77,13 +77,9 @@ def main():
 
     config = make_config(args)
     t0 = time.perf_counter()
-    job = run.build(config)
-    trainer, state, frozen = job.trainer, job.state, job.frozen
+    job = run.build(config)  # prompts: batch_size // samples_per_prompt rows per iteration
+    trainer, state, frozen, prompts = job.trainer, job.state, job.frozen, job.prompts
     ppo = config.ppo
-    # One row per prompt (batch_size // samples_per_prompt); the rollout repeats them.
-    prompts = data.synthetic_prompts(
-        trainer.mesh, batch_size=ppo.prompts_per_iteration, query_length=ppo.query_length,
-        vocab_size=trainer.models.policy.vocab_size, pad_id=ppo.pad_token_id, seed=ppo.seed)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     q, m = prompts(0)

@@ -19,6 +19,7 @@ materialised in the saved layout.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -150,6 +151,29 @@ class RunCheckpointer:
                 f"cannot write checkpoints to {self.directory}: {e.strerror or e}; choose a "
                 f"writable --workdir (or free space on its disk)") from None
 
+    def _reserve(self, step: int, nbytes: int) -> None:
+        """Checks, before Orbax writes anything, that `nbytes` fit in the directory.
+
+        Allocates (posix_fallocate) and removes a file of that size, so a full disk or
+        a file-size limit fails here with one clear message instead of inside Orbax's
+        writer threads. Skipped where the filesystem cannot preallocate.
+        """
+        probe = os.path.join(self.directory, f".space_probe_{step}")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            finally:
+                os.close(fd)
+                os.remove(probe)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                return
+            raise CheckpointError(
+                f"saving checkpoint {step} to {self.directory} failed: {nbytes / 2**20:.1f} "
+                f"MiB do not fit there ({e.strerror or e}); free disk space or choose another "
+                f"--workdir (earlier checkpoints are untouched)") from None
+
     def _warn_incomplete(self) -> None:
         if not os.path.isdir(self.directory):
             return
@@ -206,6 +230,8 @@ class RunCheckpointer:
             items["rest"] = ocp.args.StandardSave(rest)
         self.wait()  # the previous save, before a new one becomes pending
         first = not self._saved_once
+        if first:
+            self._reserve(step, sum(x.nbytes for x in jax.tree.leaves(state)))
         try:
             self._pending = step
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)

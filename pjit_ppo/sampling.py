@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional
 import haiku as hk
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from pjit_ppo import sharding
 from pjit_ppo.config import SamplingOptions
@@ -332,5 +332,5 @@ def make_generate_fn(config: ModelConfig, mesh: Optional[Mesh] = None, *,
     out_sh = (batch2, batch2)
     if static_options.get("return_logits"):
         out_sh += (sharding.batch_sharding(mesh, 3, axis_rules),)
-    return jax.jit(fn, in_shardings=(params_sh, batch2, batch2, NamedSharding(mesh, P())),
+    return jax.jit(fn, in_shardings=(params_sh, batch2, batch2, sharding.replicated(mesh)),
                    out_shardings=out_sh)

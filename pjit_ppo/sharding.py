@@ -111,17 +111,6 @@ def _match(name: str, shape, compiled) -> tuple:
                         f"(shape {tuple(shape)}); add a rule for it")
 
 
-def logical_axes(tree, param_rules: Sequence = DEFAULT_PARAM_RULES):
-    """Logical axis names for every leaf of a parameter tree (same structure, tuple leaves).
-
-    Raises ShardingError naming the first parameter that no rule matches, or whose
-    rank differs from its rule's.
-    """
-    compiled = [(re.compile(pattern), axes) for pattern, axes in param_rules]
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _match(path_str(path), leaf.shape, compiled), tree)
-
-
 def spec_for(name: str, shape: Sequence[int], axes: Sequence[Optional[str]], mesh: Mesh,
              axis_rules: Mapping[str, Any] = DEFAULT_AXIS_RULES) -> P:
     """PartitionSpec for one array from its logical axes; checks divisibility.
@@ -164,7 +153,7 @@ def param_shardings(tree, mesh: Mesh, param_rules: Sequence = DEFAULT_PARAM_RULE
                     axis_rules: Mapping[str, Any] = DEFAULT_AXIS_RULES):
     """NamedShardings for a parameter tree."""
     specs = param_specs(tree, mesh, param_rules, axis_rules)
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                   is_leaf=lambda x: isinstance(x, P))
 
 
@@ -172,9 +161,9 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params_sharding
                         opt_state_shapes, mesh: Mesh):
     """Optimizer state follows its parameter: moment trees get the parameter shardings,
     everything else (step counts, hyperparameters) is replicated."""
-    replicated = NamedSharding(mesh, P())
+    rep = replicated(mesh)
     return optax.tree_map_params(optimizer, lambda _, s: s, opt_state_shapes, params_shardings,
-                                 transform_non_params=lambda _: replicated,
+                                 transform_non_params=lambda _: rep,
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
 
 

@@ -93,3 +93,14 @@ def test_reexec_keeps_the_command_and_stops_page_faults(tmp_path):
     # (fewer with transparent huge pages); tuned, the block is reused from the heap.
     assert default["faults_per_alloc"] > pages / 1024
     assert tuned["faults_per_alloc"] < 0.01 * default["faults_per_alloc"]
+
+
+def test_package_and_malloc_tuning_import_without_jax():
+    """The entry points re-exec before jax starts: importing pjit_ppo (public names load
+    lazily) and the tuning module must not import jax."""
+    code = ("import sys, pjit_ppo; from pjit_ppo.cli import cpu_malloc; "
+            "print('jax' in sys.modules); from pjit_ppo import RunConfig; "
+            "print(RunConfig.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "RunConfig"]

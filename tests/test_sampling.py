@@ -349,3 +349,19 @@ def test_head_only_on_the_last_prompt_position(tiny_model):
     b, p, v = ids.shape + (config.vocab_size,)
     assert f"f32[{b},{p},{v}]" not in compiled and f"f32[{b},{p + 4},{v}]" not in compiled
     assert f"f32[{b},{v}]" in compiled
+
+
+@pytest.mark.parametrize("top_p,mode,kept", [
+    (0.7, "transformers", 2),           # the token whose mass crosses 0.7 (0.3) is kept
+    (0.7, "lm_human_preferences", 1),   # only tokens with running total <= 0.7
+    (0.8, "lm_human_preferences", 2),   # 0.5 + 0.3 = 0.8 <= 0.8
+    (0.3, "lm_human_preferences", 1),   # never fewer than the most likely token
+    (0.96, "transformers", 4),
+])
+def test_top_p_conventions(top_p, mode, kept):
+    probs = np.array([[0.05, 0.5, 0.15, 0.3]])
+    scaled = jnp.log(jnp.asarray(probs, jnp.float32))
+    filtered = np.asarray(sampling.filter_logits(scaled, top_p=top_p, top_p_mode=mode))
+    order = np.argsort(-probs[0])
+    assert np.isfinite(filtered[0, order[:kept]]).all()
+    assert np.isneginf(filtered[0, order[kept:]]).all()

@@ -2,6 +2,7 @@
 user errors as one line on stderr with a clear exit status."""
 import contextlib
 import logging as std_logging
+import os
 import sys
 
 from absl import app, logging
@@ -26,12 +27,22 @@ def setup_jax() -> None:
     quiet_library_info_logs()
 
 
-def quiet_library_info_logs(prefixes=("/orbax/",)) -> None:
-    """Keeps the console for our progress lines: INFO records from libraries that log
-    every step of their work (Orbax) are dropped; their warnings and errors still show."""
+def quiet_library_info_logs(prefixes=("/orbax/", "/asyncio/")) -> None:
+    """Keeps the console for our progress lines and our error messages.
+
+    Records from libraries that log every step of their work (Orbax, and asyncio on
+    Orbax's behalf) are dropped below WARNING; their warnings and errors still show,
+    as one line each, without the tracebacks of their worker threads: a failure that
+    matters reaches the user as our own one-line message (`user_errors`).
+    """
     def keep(record):
-        return record.levelno >= std_logging.WARNING or not any(
-            p in record.pathname for p in prefixes)
+        if not any(p in record.pathname for p in prefixes):
+            return True
+        if record.levelno < std_logging.WARNING:
+            return False
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        record.msg, record.args = str(record.getMessage()).splitlines()[0][:300], ()
+        return True
     logging.get_absl_logger().addFilter(keep)  # records logged through absl
     logging.get_absl_handler().python_handler.addFilter(keep)  # through std logging
 
@@ -52,5 +63,9 @@ def user_errors():
         print(f"error: training stopped: {e}", file=sys.stderr)
         sys.exit(1)
     except CheckpointError as e:
-        print(f"error: checkpoint: {e}", file=sys.stderr)
-        sys.exit(1)
+        # Orbax's writer threads may still be failing in the background; leave at once,
+        # with our message last, rather than through their teardown tracebacks.
+        sys.stdout.flush()
+        sys.stderr.write(f"\nerror: checkpoint: {e}\n")
+        sys.stderr.flush()
+        os._exit(1)

@@ -2,7 +2,7 @@
 
 Parameters are plain Haiku-style dicts so they merge into a model's tree:
 
-  value_head   w [d_model] (zeros), b [] (zero)                  per REFERENCE.md
+  value_head   w [d_model] (zeros), b [] (zero)                  (lm-human-preferences' init)
   reward_head  w [d_model] ~ N(0, 1/sqrt(d_model + 1)), b [] = 0,
                gain [] = 1, bias [] = 0   (reward = gain * (h.w + b) + bias)
 """

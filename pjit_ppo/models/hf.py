@@ -84,7 +84,7 @@ def load_pretrained(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "flo
     names = _resolve_names(config, reader, maps, shapes)
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree_util.tree_map(lambda _: device, shapes)
+        shardings = jax.tree.map(lambda _: device, shapes)
     else:
         shardings = sharding_lib.param_shardings(shapes, mesh, param_rules, axis_rules)
 
