@@ -13,6 +13,11 @@ Layout of WORKDIR/checkpoints/<iteration>/ (one Orbax composite checkpoint):
                and CRC-32. A checkpoint without it, or whose files do not match it, is
                incomplete or corrupt: it is skipped with a warning and never loaded.
 
+Multi-process runs: every process writes the shards it holds (Orbax); the manifest,
+the space reservation, and setting corrupt checkpoints aside are done by process 0 alone,
+and its verdicts (which checkpoint is complete, whether a save fits) are broadcast so
+that all processes act alike. A checkpoint restores in any number of processes.
+
 Restores take an abstract target (shapes, dtypes and the *target* shardings), so a
 checkpoint saved on one mesh is read directly into another: nothing is first
 materialised in the saved layout.
@@ -31,6 +36,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from pjit_ppo import distributed
 from pjit_ppo.config import CheckpointOptions
 from pjit_ppo.ppo.types import TrainState
 
@@ -140,7 +146,7 @@ class RunCheckpointer:
 
     # ------------------------------------------------------------ directory checks
     def _check_writable(self) -> None:
-        probe = os.path.join(self.directory, ".write_probe")
+        probe = os.path.join(self.directory, f".write_probe_{distributed.process_index()}")
         try:
             os.makedirs(self.directory, exist_ok=True)
             with open(probe, "w") as f:
@@ -158,6 +164,12 @@ class RunCheckpointer:
         a file-size limit fails here with one clear message instead of inside Orbax's
         writer threads. Skipped where the filesystem cannot preallocate.
         """
+        problem = self._reserve_here(step, nbytes) if distributed.is_chief() else None
+        problem = distributed.broadcast_from_chief(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
+
+    def _reserve_here(self, step: int, nbytes: int) -> Optional[str]:
         probe = os.path.join(self.directory, f".space_probe_{step}")
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -168,11 +180,11 @@ class RunCheckpointer:
                 os.remove(probe)
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                return
-            raise CheckpointError(
-                f"saving checkpoint {step} to {self.directory} failed: {nbytes / 2**20:.1f} "
-                f"MiB do not fit there ({e.strerror or e}); free disk space or choose another "
-                f"--workdir (earlier checkpoints are untouched)") from None
+                return None
+            return (f"saving checkpoint {step} to {self.directory} failed: "
+                    f"{nbytes / 2**20:.1f} MiB do not fit there ({e.strerror or e}); free disk "
+                    f"space or choose another --workdir (earlier checkpoints are untouched)")
+        return None
 
     def _warn_incomplete(self) -> None:
         if not os.path.isdir(self.directory):
@@ -192,9 +204,10 @@ class RunCheckpointer:
         Orbax calls this after its handlers have finalized every file and before it
         renames the temporary directory to WORKDIR/checkpoints/<step>/, so the manifest
         arrives with the same rename (synchronous saves call it on the final directory).
+        Process 0 only: Orbax calls it there after every process has written its shards.
         """
         step, self._pending = self._pending, None
-        if step is None:
+        if step is None or not distributed.is_chief():
             return
         step_dir = self._step_dir(step)
         if not os.path.isdir(step_dir):
@@ -251,6 +264,9 @@ class RunCheckpointer:
             raise CheckpointError(self._failure(self._pending, e)) from e
         if self._pending is not None:  # a synchronous manager finished without the callback
             self._on_committed()
+        # Process 0 may still have been writing the manifest (reading every file back):
+        # the others wait here rather than in their next device collective.
+        distributed.barrier("pjit_ppo_checkpoint_wait")
 
     def _failure(self, step, error: Exception) -> str:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -272,6 +288,14 @@ class RunCheckpointer:
         set_aside: also rename each of those to WORKDIR/checkpoints/corrupt-<step>[-k] (kept
         for inspection, never deleted), so that the run can save that iteration again.
         """
+        found = self._latest_complete_here(set_aside) if distributed.is_chief() else None
+        found = distributed.broadcast_from_chief(found)
+        if set_aside and distributed.process_count() > 1:
+            distributed.barrier("pjit_ppo_checkpoints_set_aside")
+            self._manager.reload()  # process 0 may have renamed some
+        return found
+
+    def _latest_complete_here(self, set_aside: bool) -> Optional[int]:
         for step in reversed(self.steps()):
             problem = verify(self._step_dir(step))
             if problem is None:
@@ -299,7 +323,9 @@ class RunCheckpointer:
         if step not in self.steps():
             raise CheckpointError(f"no checkpoint {step} in {self.directory}; there are: "
                                   f"{self.steps() or 'none'}")
-        problem = verify(self._step_dir(step))
+        # Process 0 reads every file once; the others take its verdict.
+        problem = verify(self._step_dir(step)) if distributed.is_chief() else None
+        problem = distributed.broadcast_from_chief(problem)
         if problem is not None:
             raise CheckpointError(f"checkpoint {self._step_dir(step)} cannot be used: {problem}")
         return step

@@ -233,6 +233,37 @@ def make_writers(workdir: str, total_iterations: int,
     return MultiWriter(writers)
 
 
+class TraceWindow:
+    """A jax.profiler trace of iterations start .. start + iterations - 1 (numbered as in
+    metrics.jsonl, 1 = the first) into `directory`; start = 0: never traces.
+
+    `before(n)` / `after(n)` bracket iteration n; `close()` ends an open trace (a run
+    that stops inside the window still leaves a readable trace).
+    """
+
+    def __init__(self, start: int, iterations: int, directory: str):
+        self.start, self.stop = int(start), int(start) + int(iterations)
+        self.directory = directory
+        self.active = False
+
+    def before(self, iteration: int) -> None:
+        if self.start and iteration == self.start and not self.active:
+            os.makedirs(self.directory, exist_ok=True)
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+            logging.info("profiling iterations %d..%d into %s", self.start, self.stop - 1,
+                         self.directory)
+
+    def after(self, iteration: int) -> None:
+        if self.active and iteration >= self.stop - 1:
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+
+
 def device_memory_stats(devices: Iterable | None = None) -> dict[str, float]:
     """Maxima over devices of the backend's memory counters, in MiB.
 
