@@ -7,7 +7,7 @@ directory (config.json + safetensors) that transformers loads.
 """
 from absl import app, flags, logging
 
-from pjit_ppo.cli import common
+from pjit_ppo.cli import common, flag_errors
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run directory holding checkpoints/.")
 _OUTPUT = flags.DEFINE_string("output", None, "Directory to write the HF model to.")
@@ -17,6 +17,9 @@ flags.mark_flags_as_required(["workdir", "output"])
 
 def main(argv):
     common.no_extra_args(argv)
+    from pjit_ppo import preflight
+    with common.config_errors():  # a run directory to read, an output directory to write
+        preflight.check_export(_WORKDIR.value, _OUTPUT.value)
     common.setup_jax()
     from pjit_ppo import export
     with common.user_errors():
@@ -26,4 +29,4 @@ def main(argv):
 
 def run_main():
     common.tune_cpu_malloc()
-    app.run(main)
+    app.run(main, flags_parser=flag_errors.parse_flags)
