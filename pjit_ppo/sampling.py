@@ -113,7 +113,7 @@ def _search(cdf: jax.Array, u: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.minimum(idx, last.astype(jnp.int32))
 
 
-def _inverse_cdf_sample(scaled, top, threshold, key, block: int):
+def _inverse_cdf_sample(scaled, top, threshold, key, block: int, rows=None):
     """Draws a token with probability proportional to exp(scaled - top) where kept.
 
     Two-level inverse CDF: one uniform per row picks a block of `block` tokens
@@ -127,6 +127,8 @@ def _inverse_cdf_sample(scaled, top, threshold, key, block: int):
       scaled: float32 [B, V]; top: float32 [B, 1], the row max of scaled;
       threshold: None or float32 [B, 1] (tokens below it get weight 0);
       key: PRNG key; block: block size.
+      rows: None, or (row_ids int32 [B], total_rows): these B rows are rows `row_ids`
+        of a batch of total_rows, and draw exactly what they would draw there.
 
     Returns:
       (tokens int32 [B], scaled logit of each token float32 [B],
@@ -143,7 +145,11 @@ def _inverse_cdf_sample(scaled, top, threshold, key, block: int):
     block_sums = jnp.sum(weight(padded).reshape(batch, n_blocks, block), axis=-1)  # [B, nb]
     block_cdf = jnp.cumsum(block_sums, axis=-1)
     total = block_cdf[:, -1:]
-    u = jax.random.uniform(key, (batch, 1), jnp.float32) * total
+    if rows is None:
+        u = jax.random.uniform(key, (batch, 1), jnp.float32)
+    else:
+        u = jnp.take(jax.random.uniform(key, (rows[1], 1), jnp.float32), rows[0], axis=0)
+    u = u * total
     b = _search(block_cdf, u, block_sums)  # [B]
     below = jnp.take_along_axis(block_cdf - block_sums, b[:, None], axis=-1)  # mass before b
     xs = jnp.take_along_axis(padded.reshape(batch, n_blocks, block), b[:, None, None],
@@ -156,7 +162,7 @@ def _inverse_cdf_sample(scaled, top, threshold, key, block: int):
 
 def sample_from_logits(logits: jax.Array, key: jax.Array, *, temperature: float = 1.0,
                        top_k: int = 0, top_p: float = 1.0, top_p_mode: str = "transformers",
-                       greedy: bool = False, block_size: int = 256):
+                       greedy: bool = False, block_size: int = 256, rows=None):
     """Draws one token per row and returns its unfiltered, temperature-scaled logprob.
 
     Args:
@@ -164,6 +170,8 @@ def sample_from_logits(logits: jax.Array, key: jax.Array, *, temperature: float 
       key: PRNG key for this step (unused when greedy).
       temperature, top_k, top_p, top_p_mode, greedy: as in SamplingOptions.
       block_size: block length of the two-level inverse-CDF search (speed only).
+      rows: None, or (row_ids int32 [B], total_rows): the draws these rows get as rows
+        `row_ids` of a batch of total_rows (a micro-batch samples like the whole batch).
 
     Returns:
       (tokens int32 [B], logprobs float32 [B]) with logprobs from
@@ -176,7 +184,8 @@ def sample_from_logits(logits: jax.Array, key: jax.Array, *, temperature: float 
         picked, threshold, total = top[:, 0], None, None
     else:
         threshold = keep_threshold(scaled, top_k, top_p, top_p_mode)
-        tokens, picked, total = _inverse_cdf_sample(scaled, top, threshold, key, block_size)
+        tokens, picked, total = _inverse_cdf_sample(scaled, top, threshold, key, block_size,
+                                                    rows)
     if threshold is not None or total is None:  # need the unfiltered normaliser
         total = jnp.sum(jnp.exp(scaled - top), axis=-1)
     return tokens, picked - top[:, 0] - jnp.log(total)
@@ -205,7 +214,8 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
              stop_token: Optional[int] = None,
              min_new_tokens: Optional[int] = None, pad_token_id: Optional[int] = None,
              mesh: Optional[Mesh] = None, return_logits: bool = False,
-             axis_rules: Mapping[str, Any] = sharding.DEFAULT_AXIS_RULES):
+             axis_rules: Mapping[str, Any] = sharding.DEFAULT_AXIS_RULES,
+             row_ids: Optional[jax.Array] = None, total_rows: Optional[int] = None):
     """Samples `max_new_tokens` tokens after left-padded prompts with a KV cache.
 
     Traceable inside jit; all keyword options are static Python values (see
@@ -224,6 +234,9 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         (batch, replicated vocab).
       return_logits: also return the raw per-step logits (for tests).
       axis_rules: logical -> mesh axis table used with `mesh`.
+      row_ids, total_rows: for a micro-batch of a larger batch: int32 [B], the rows of
+        the whole batch (of total_rows, static) these prompts are; each row then draws
+        the random numbers it would draw in the whole batch (same tokens).
 
     Returns:
       tokens int32 [B, max_new_tokens]; logprobs float32 [B, max_new_tokens]
@@ -242,6 +255,8 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
     prompt_ids = prompt_ids.astype(jnp.int32)
     prompt_mask = prompt_mask.astype(bool)
 
+    rows = None if row_ids is None else (row_ids, int(total_rows))
+
     def constrain(x, axes):
         return x if mesh is None else sharding.constrain(x, mesh, axes, axis_rules)
 
@@ -254,7 +269,7 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         tok, lp = sample_from_logits(logits, jax.random.fold_in(key, step),
                                      temperature=opts.temperature, top_k=opts.top_k,
                                      top_p=opts.top_p, top_p_mode=opts.top_p_mode,
-                                     greedy=opts.greedy)
+                                     greedy=opts.greedy, rows=rows)
         if opts.stop_token is None:
             return tok, lp, done
         tok = jnp.where(done, jnp.int32(opts.pad_token_id), tok)

@@ -261,11 +261,23 @@ def _stacked_layers(config, block, x, per_layer, last_layer_query=None):
                             unroll=c.scan_unroll)
     if per_layer:
         raise ValueError("last_layer_query does not combine with per-layer inputs (a cache)")
-    head = jax.tree.map(lambda a: a[:-1], params)
-    x, _ = jax.lax.scan(step, x, (head, ()), length=c.n_layers - 1,
+    # The first L - 1 layers index the stacked weights inside the (rematerialised) step
+    # instead of scanning over `params[:-1]`: that slice would copy L-1/L of every
+    # weight before the scan, and indexing outside the remat would save each layer's
+    # weights as a residual. The full stack is a loop constant: no copy, no residual.
+    def layer_at(p_all, x, i):
+        return apply(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False),
+                                  p_all), x)
+
+    def step_at(x, i):
+        return _checkpointed(c, layer_at)(params, x, i)
+
+    x, _ = jax.lax.scan(step_at, x, jnp.arange(c.n_layers - 1),
                         unroll=max(1, min(c.scan_unroll, c.n_layers - 1)))
-    last = jax.tree.map(lambda a: a[-1], params)
-    x, _ = _checkpointed(c, functools.partial(apply, query=last_layer_query))(last, x)
+
+    def last_layer(p_all, x):
+        return apply(jax.tree.map(lambda a: a[-1], p_all), x, query=last_layer_query)
+    x, _ = _checkpointed(c, last_layer)(params, x)
     return x, None
 
 

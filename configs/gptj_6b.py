@@ -1,0 +1,66 @@
+"""GPT-J-6B PPO on 8 x A100-40GB: policy and a separate critic trained with Adam (fp32
+parameters and moments, FSDP over the 8 devices), reference and reward model frozen in
+bf16, bf16 compute, full rematerialisation; the lm-human-preferences reference batch
+(512 episodes, query 64, response 24).
+
+The model's shapes come from GPT-J-6B's HF config.json, written below, so planning and
+random-init smoke runs need no download. A real run points model.policy_path (and
+reward.path) at the downloaded directories.
+
+  python launch/plan.py --config=configs/gptj_6b.py --devices=8 --device_memory=40GB
+  python launch/train_ppo.py --config=configs/gptj_6b.py --workdir=DIR \
+      --config.model.policy_path=/models/gpt-j-6b --config.reward.path=/models/reward
+
+Variants (--config=configs/gptj_6b.py:ARG):
+  ""      PPO with GAE and a separate critic (from the reward model's trunk)
+  "grpo"  critic-free GRPO, 4 samples per prompt (128 prompts x 4), no critic at all
+
+Memory options (per device; the planner's figures, dated, are in docs/performance.md):
+  ppo.gradient_accumulation_steps  the update's micro-batch = 512 / this: 64 -> 8 episodes
+                                   (one per device; peak 31.6 GiB). 8 -> micro-batches of 64
+                                   also fit 40 GB (33.6 GiB) and use the GPUs better
+  ppo.rollout_micro_batch_size     the rollout samples and scores 64 episodes at a time
+  model.remat_policy="full"        each layer's activations recomputed in the backward
+"""
+from pjit_ppo.config import MeshConfig, ModelOptions, PPOConfig, RewardOptions, RunConfig
+
+#: GPT-J-6B's config.json (EleutherAI/gpt-j-6b), the fields the model needs.
+GPTJ_6B = {
+    "architectures": ["GPTJForCausalLM"],
+    "model_type": "gptj",
+    "vocab_size": 50400,
+    "n_positions": 2048,
+    "n_embd": 4096,
+    "n_layer": 28,
+    "n_head": 16,
+    "rotary_dim": 64,
+    "n_inner": None,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 50256,
+    "eos_token_id": 50256,
+}
+
+VARIANTS = {
+    "": dict(advantage_estimator="gae"),
+    "grpo": dict(advantage_estimator="grpo", samples_per_prompt=4,
+                 loss_aggregation="sequence_mean", kl_loss_coef=0.04),
+}
+
+
+def get_config(arg: str = "") -> RunConfig:
+    if arg not in VARIANTS:
+        raise ValueError(f"configs/gptj_6b.py:{arg}; choose one of "
+                         f"{', '.join(repr(v) for v in VARIANTS)}")
+    return RunConfig(
+        model=ModelOptions(random=dict(GPTJ_6B), compute_dtype="bfloat16",
+                           remat_policy="full"),
+        reward=RewardOptions(kind="model"),
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
+        ppo=PPOConfig(query_length=64, response_length=24, batch_size=512, nminibatches=1,
+                      noptepochs=4, gradient_accumulation_steps=64, rollout_micro_batch_size=64,
+                      critic_init="reward", pad_token_id=50256, truncate_token=13,
+                      **VARIANTS[arg]),
+        measure_peak=False,
+    )
