@@ -25,17 +25,28 @@ setuptools.setup(
         "numpy>=1.26",
         "ml_dtypes>=0.4",
         "tensorboardX>=2.6",
+        # Text prompts and labels: HF tokenizers (transformers' tokenizer classes work
+        # without torch) and safetensors for HF checkpoints.
+        "transformers>=5,<6",
+        "tokenizers>=0.20",
+        "safetensors>=0.4",
     ],
     extras_require={
         # transformers (PyTorch models) is only needed to check parity and to
         # make tiny checkpoints in tests; torch is pinned to the CPU wheel.
-        "test": ["pytest>=8", "torch==2.13.0", "transformers>=5,<6", "safetensors>=0.4"],
+        "test": ["pytest>=8", "torch==2.13.0", "vaderSentiment==3.3.2", "matplotlib>=3.8"],
+        # The embedded demo (launch/demo.py): VADER, the gold sentiment judge, and plots.
+        "demo": ["vaderSentiment==3.3.2", "matplotlib>=3.8"],
     },
     entry_points={
         "console_scripts": [
             "pjit-ppo-train = pjit_ppo.cli.train_ppo:run_main",
             "pjit-ppo-evaluate = pjit_ppo.cli.evaluate:run_main",
             "pjit-ppo-export = pjit_ppo.cli.export_hf:run_main",
+            "pjit-ppo-plan = pjit_ppo.cli.plan:run_main",
+            "pjit-ppo-sft = pjit_ppo.cli.train_sft:run_main",
+            "pjit-ppo-reward = pjit_ppo.cli.train_reward:run_main",
+            "pjit-ppo-demo = pjit_ppo.cli.demo:run_main",
         ],
     },
 )

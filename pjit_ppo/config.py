@@ -19,6 +19,7 @@ the console ETA all use it.
 import dataclasses
 import json
 import math
+import typing
 from typing import Any, Dict, Optional, Tuple
 
 #: Allowed values of the enum-like fields, in one place.
@@ -53,6 +54,65 @@ def _choice(field: str, value: Any, allowed: Tuple[str, ...]) -> None:
 def _finite_number(field: str, value: Any) -> None:
     _need(isinstance(value, (int, float)) and not isinstance(value, bool)
           and math.isfinite(value), f"{field}={value!r} must be a finite number")
+
+
+def _type_name(hint: Any) -> str:
+    """How a field's annotation reads in an error message ("int", "float or None", ...)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        return " or ".join("None" if a is type(None) else _type_name(a) for a in args)
+    if origin is tuple:
+        return f"a tuple of {_type_name(args[0])}" if args else "a tuple"
+    if origin is dict:
+        return "a dict"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether `value` fits a field annotation (an int is a float; a bool is not an int)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin is typing.Union:
+        return any(_has_type(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is tuple:
+        return isinstance(value, (tuple, list)) and all(
+            _has_type(v, args[0]) for v in value) if args else isinstance(value, tuple)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is typing.Literal:
+        return value in args
+    if origin is not None:  # list[...], Sequence[...], ...: the container type only
+        return isinstance(value, origin)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def check_field_types(section: Any, prefix: str) -> None:
+    """Every field of a config dataclass has its annotated type; raises ConfigError."""
+    for name, hint in typing.get_type_hints(type(section)).items():
+        value = getattr(section, name)
+        _need(_has_type(value, hint), f"{prefix}{name}={value!r} has type {type(value).__name__}; "
+                                      f"it must be {_type_name(hint)}")
+
+
+def check_finite(tree: Any, prefix: str = "") -> None:
+    """No NaN or infinity anywhere in a nested dict / list of config values (e.g.
+    `RunConfig.to_dict()`, including model.random); raises ConfigError naming the field."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            check_finite(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            check_finite(value, f"{prefix}[{i}]")
+    elif isinstance(tree, float):
+        _need(math.isfinite(tree), f"{prefix}={tree!r}: NaN and infinity are not valid config "
+                                   f"values; give a finite number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +190,12 @@ class PPOConfig:
     nminibatches: int = 1                # optimizer steps per epoch
     noptepochs: int = 4                  # passes over the batch per iteration, fresh shuffle each
     gradient_accumulation_steps: int = 1  # micro-batches per minibatch (a memory knob only)
+    rollout_micro_batch_size: int = 0    # episodes per sampling + scoring pass of the rollout
+    #                                      (a memory knob only: the KV cache and activations
+    #                                      scale with it; the same samples as the whole batch,
+    #                                      log-probs and values equal to float rounding).
+    #                                      0 = the whole batch in one pass; else a divisor of
+    #                                      batch_size that the batch devices divide
     total_episodes: int = 1_000_000      # run length when num_iterations <= 0
 
     # Sampling (the temperature also divides the logits of every log-prob in training).
@@ -239,6 +305,12 @@ class PPOConfig:
         _need(self.minibatch_size % self.gradient_accumulation_steps == 0,
               f"minibatch size {self.minibatch_size} (ppo.batch_size / ppo.nminibatches) is not "
               f"divisible by ppo.gradient_accumulation_steps={self.gradient_accumulation_steps}")
+        _need(isinstance(self.rollout_micro_batch_size, int)
+              and self.rollout_micro_batch_size >= 0
+              and (self.rollout_micro_batch_size == 0
+                   or self.batch_size % self.rollout_micro_batch_size == 0),
+              f"ppo.rollout_micro_batch_size={self.rollout_micro_batch_size!r} must be 0 (the "
+              f"whole batch) or a divisor of ppo.batch_size={self.batch_size}")
         _need(self.total_episodes >= self.batch_size,
               f"ppo.total_episodes={self.total_episodes} < ppo.batch_size={self.batch_size}: the "
               f"run would do no update")
@@ -349,12 +421,33 @@ class RewardOptions:
 
 @dataclasses.dataclass(slots=True)
 class DataOptions:
-    """Prompts. Today: random token prompts generated on the devices."""
+    """Prompts: text from a local file tokenised with an HF tokenizer (pjit_ppo.data.prompts),
+    or, with no prompts_path, random token prompts generated on the devices (tests, smoke)."""
 
-    min_prompt_length: int = 1        # prompt lengths are uniform in [this, ppo.query_length]
-    low_token: int = 0                # prompt tokens are uniform in [low_token, vocab_size)
+    prompts_path: str = ""            # JSONL, plain text (one prompt per line) or a directory
+    #                                   saved by HF datasets; "" = random token prompts
+    prompts_format: str = "auto"      # "auto" (from the path), "jsonl", "text", "hf_dataset"
+    prompt_field: str = "prompt"      # JSONL key / datasets column holding the prompt text
+    eval_prompts_path: str = ""       # held-out prompts for evaluation ("" = prompts_path,
+    #                                   in an order of its own); same format and field
+    tokenizer_path: str = ""          # HF tokenizer directory; "" = model.policy_path
+    start_text: str = ""              # if set, a prompt starts after its first occurrence
+    end_text: str = ""                # if set, a prompt ends after its last occurrence
+    shuffle: bool = True              # a fresh permutation of the prompt set each epoch
+    samples_every: int = 10           # iterations between decoded sample tables (0 = off)
+    samples_per_table: int = 8        # rows per table in WORKDIR/samples.jsonl
+    min_prompt_length: int = 1        # random prompts: lengths uniform in [this, query_length]
+    low_token: int = 0                # random prompts: tokens uniform in [low_token, vocab_size)
 
     def validate(self) -> "DataOptions":
+        _choice("data.prompts_format", self.prompts_format,
+                ("auto", "jsonl", "text", "hf_dataset"))
+        _need(bool(self.prompt_field), "data.prompt_field is empty: name the JSONL key or "
+                                       "dataset column that holds the prompt")
+        _need(isinstance(self.samples_every, int) and self.samples_every >= 0,
+              f"data.samples_every={self.samples_every!r} must be an integer >= 0 (0 = off)")
+        _need(isinstance(self.samples_per_table, int) and self.samples_per_table >= 1,
+              f"data.samples_per_table={self.samples_per_table!r} must be an integer >= 1")
         _need(self.min_prompt_length >= 1,
               f"data.min_prompt_length={self.min_prompt_length} must be >= 1")
         _need(self.low_token >= 0, f"data.low_token={self.low_token} must be >= 0")
@@ -401,6 +494,23 @@ class EvalOptions:
 
 
 @dataclasses.dataclass(slots=True)
+class ProfileOptions:
+    """A jax.profiler trace of chosen iterations into WORKDIR/profile/ (TensorBoard's
+    profile plugin or Perfetto open it)."""
+
+    start: int = 0                    # first traced iteration, numbered as in metrics.jsonl
+    #                                   (1 = the first; its compile is not traced); 0 = off
+    iterations: int = 1               # how many iterations the trace covers
+
+    def validate(self) -> "ProfileOptions":
+        _need(isinstance(self.start, int) and self.start >= 0,
+              f"profile.start={self.start!r} must be an integer >= 0 (0 = no trace)")
+        _need(isinstance(self.iterations, int) and self.iterations >= 1,
+              f"profile.iterations={self.iterations!r} must be an integer >= 1")
+        return self
+
+
+@dataclasses.dataclass(slots=True)
 class RunConfig:
     """A whole PPO run: the sections above plus run-level switches."""
 
@@ -411,6 +521,7 @@ class RunConfig:
     data: DataOptions = dataclasses.field(default_factory=DataOptions)
     checkpoint: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
     evaluation: EvalOptions = dataclasses.field(default_factory=EvalOptions)
+    profile: ProfileOptions = dataclasses.field(default_factory=ProfileOptions)
     num_iterations: int = -1          # PPO iterations; <= 0: ppo.total_episodes // ppo.batch_size
     tensorboard: bool = True          # also write TensorBoard event files
     measure_peak: bool = True         # measure a matmul peak at start-up for MFU metrics
@@ -424,6 +535,12 @@ class RunConfig:
 
     def validate(self) -> "RunConfig":
         """Checks every section and how they relate; raises ConfigError."""
+        check_field_types(self, "")
+        for field in dataclasses.fields(self):
+            section = getattr(self, field.name)
+            if dataclasses.is_dataclass(section):
+                check_field_types(section, f"{field.name}.")
+        check_finite(self.to_dict())
         self.ppo.validate()
         self.mesh.validate()
         self.model.validate()
@@ -431,6 +548,7 @@ class RunConfig:
         self.data.validate()
         self.checkpoint.validate()
         self.evaluation.validate()
+        self.profile.validate()
         _need(isinstance(self.num_iterations, int), f"num_iterations={self.num_iterations!r} "
                                                     f"must be an integer")
         _need(self.data.min_prompt_length <= self.ppo.query_length,
@@ -474,7 +592,7 @@ class RunConfig:
 #: Fields a resumed run may change: how it is laid out, how long it runs, what it logs.
 #: Every other field must equal the checkpoint's (prefix match on the dotted name).
 RESUMABLE_CHANGES = ("mesh.", "num_iterations", "tensorboard", "measure_peak", "checkpoint.",
-                     "evaluation.")
+                     "evaluation.", "profile.")
 
 
 def _flatten(tree: Any, prefix: str = "") -> Dict[str, Any]:
@@ -495,9 +613,14 @@ def resume_conflicts(saved: Dict[str, Any], current: Dict[str, Any]) -> Dict[str
     """
     current = json_round_trip(current)
     a, b = _flatten(saved), _flatten(current)
+    # A field the checkpoint lacks was added to the library after it was written; at
+    # its default value it computes what the older version did.
+    defaults = _flatten(json_round_trip(RunConfig().to_dict()))
     out = {}
     for name in sorted(set(a) | set(b)):
         if name.startswith(RESUMABLE_CHANGES):
+            continue
+        if name not in a and name in defaults and b.get(name) == defaults[name]:
             continue
         if a.get(name, "<absent>") != b.get(name, "<absent>"):
             out[name] = (a.get(name, "<absent>"), b.get(name, "<absent>"))

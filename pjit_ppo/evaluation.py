@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjit_ppo import checkpoint, data, rng, sampling, sharding
+from pjit_ppo import checkpoint, distributed, rng, sample_table, sampling, sharding
 from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
 from pjit_ppo.ppo import assemble, scoring
 from pjit_ppo.ppo.rewards import score_responses
-from pjit_ppo.ppo.run import load_lm, load_reward
+from pjit_ppo.ppo.run import load_lm, load_reward, make_prompts
 
 #: Config fields that must equal the checkpoint's: they define the models and the reward.
 MODEL_FIELDS = ("model.", "reward.")
@@ -62,11 +62,10 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
     _, reward_fn, reward_params, _ = load_reward(config, mesh)
 
     temperature = ev.temperature or cfg.temperature
-    prompts = data.synthetic_prompts(
-        mesh, batch_size=ev.num_prompts, query_length=cfg.query_length,
-        vocab_size=policy_cfg.vocab_size, pad_id=cfg.pad_token_id, seed=ev.seed,
-        min_length=config.data.min_prompt_length, low=config.data.low_token,
-        purpose="eval_prompts")
+    # Held-out prompts: data.eval_prompts_path (or the training prompts in an order of
+    # their own), or random tokens from their own stream.
+    prompts = make_prompts(config, mesh, policy_cfg.vocab_size, purpose="eval_prompts",
+                           seed=ev.seed, batch_size=ev.num_prompts)
     query, query_mask = prompts(0)
     policy_key, reference_key = jax.random.split(rng.stream_key(ev.seed, "eval_sample", step))
 
@@ -87,9 +86,9 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
                                           temperature))
         return response, ref_response, scores, ref_scores, jnp.sum(kl, axis=1)
 
-    out = jax.device_get(run(policy, reference, reward_params, query, query_mask, policy_key,
-                             reference_key))
-    response, ref_response, scores, ref_scores, kl = (np.asarray(x) for x in out)
+    out = run(policy, reference, reward_params, query, query_mask, policy_key, reference_key)
+    # Batch-sharded over all processes' devices: gathered whole on every process.
+    response, ref_response, scores, ref_scores, kl = (distributed.host_array(x) for x in out)
     result = {
         "checkpoint_step": step,
         "num_prompts": ev.num_prompts,
@@ -101,16 +100,30 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
         "temperature": temperature,
         "greedy": ev.greedy,
     }
+    q, m = distributed.host_array(query), distributed.host_array(query_mask)
+    if not distributed.is_chief():  # process 0 writes the report
+        return result
     out_dir = os.path.join(os.path.abspath(workdir), "eval", str(step))
     os.makedirs(out_dir, exist_ok=True)
-    q, m = np.asarray(jax.device_get(query)), np.asarray(jax.device_get(query_mask))
+    tokenizer = getattr(prompts, "tokenizer", None)
+
+    def shown(row, truncate=True):
+        """Text as the reward saw it (cut after the stop token); raw ids without a tokenizer."""
+        if tokenizer is None:
+            return [int(t) for t in row]
+        if truncate:
+            row = sample_table.truncated(row[None], cfg.truncate_token, cfg.truncate_after,
+                                         cfg.pad_token_id)[0]
+        return tokenizer.decode([int(t) for t in row if t != cfg.pad_token_id])
+
     with open(os.path.join(out_dir, "samples.jsonl.tmp"), "w") as f:
         for i in range(ev.num_prompts):
             f.write(json.dumps({
-                "prompt": q[i][m[i]].tolist(), "policy_response": response[i].tolist(),
-                "reference_response": ref_response[i].tolist(),
+                "prompt": shown(q[i][m[i]], truncate=False),
+                "policy_response": shown(response[i]),
+                "reference_response": shown(ref_response[i]),
                 "policy_reward": float(scores[i]), "reference_reward": float(ref_scores[i]),
-                "kl": float(kl[i])}) + "\n")
+                "kl": float(kl[i])}, ensure_ascii=False) + "\n")
     os.replace(os.path.join(out_dir, "samples.jsonl.tmp"), os.path.join(out_dir, "samples.jsonl"))
     with open(os.path.join(out_dir, "eval.json.tmp"), "w") as f:
         json.dump(result, f, indent=2)

@@ -1,4 +1,5 @@
 """Prompt data as global arrays sharded over the batch axes."""
+from pjit_ppo.data.errors import DataError
 from pjit_ppo.data.synthetic import synthetic_prompts
 
-__all__ = ["synthetic_prompts"]
+__all__ = ["DataError", "synthetic_prompts"]

@@ -37,7 +37,8 @@ def rollout(cfg: PPOConfig, models: PPOModels, params, frozen, kl_coef: jax.Arra
     advantages, returns, estimator_metrics = estimator.advantages(cfg, exp, kl_coef)
     batch = RolloutBatch(exp.query, exp.query_mask, exp.response, exp.logprobs, exp.values,
                          advantages, returns, mask=exp.mask,
-                         ref_logprobs=exp.ref_logprobs if estimator.loss_uses_ref else None)
+                         ref_logprobs=exp.ref_logprobs if estimator.loss_uses_ref else None,
+                         scores=exp.scores)
     metrics = {**metrics, **estimator_metrics}
     if estimator.kl_in_reward:
         metrics["objective/kl_coef"] = kl_coef

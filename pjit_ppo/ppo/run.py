@@ -1,6 +1,7 @@
 """From a RunConfig to a running PPO job (what the train entry point calls)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -9,15 +10,17 @@ import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
-from pjit_ppo import checkpoint, data, flops, metrics as metrics_lib, sharding
+from pjit_ppo import checkpoint, data, distributed, flops, metrics as metrics_lib, sharding
 from pjit_ppo.config import ConfigError, ModelOptions, RunConfig, resume_conflicts
 from pjit_ppo.models import ModelConfig, heads, init_params, load_pretrained
 from pjit_ppo.ppo import assemble
 from pjit_ppo.ppo.rewards import model_reward_fn, target_token_reward
 from pjit_ppo.ppo.trainer import PPOTrainer
 from pjit_ppo.ppo.types import PPOModels, PromptFn, TrainState
+from pjit_ppo.sample_table import SampleTable
 
 
 def load_lm(options: ModelOptions, path: str, mesh, seed: int):
@@ -31,13 +34,30 @@ def load_lm(options: ModelOptions, path: str, mesh, seed: int):
     return config, params
 
 
+def lm_config(options: ModelOptions, path: str) -> ModelConfig:
+    """The ModelConfig load_lm would build (read from config.json; no weights)."""
+    if path:
+        return ModelConfig.from_pretrained(path, **options.overrides())
+    return ModelConfig.from_hf_dict(dict(options.random), **options.overrides())
+
+
 def load_reward(config: RunConfig, mesh):
     """The run's reward: (reward ModelConfig or None, RewardFn, frozen reward params or None,
-    fp32 reward trunk + head or None)."""
+    fp32 reward trunk + head or None).
+
+    reward.path may be a reward-model directory (pjit_ppo.reward_learning's output): its
+    trained head (with the normalisation's gain and bias, heads.REWARD_HEAD_FILE) is
+    used. A plain HF LM directory (or "" = model.random) gets a random head from
+    reward.head_seed.
+    """
     if config.reward.kind != "model":
         return None, target_token_reward(tuple(config.reward.target_ids)), None, None
     model_cfg, trunk = load_lm(config.model, config.reward.path, mesh, config.ppo.seed + 1)
-    head = heads.init_reward_head(model_cfg.d_model, jax.random.PRNGKey(config.reward.head_seed))
+    head = (heads.load_reward_head(config.reward.path, model_cfg.d_model)
+            if config.reward.path else None)
+    if head is None:
+        head = heads.init_reward_head(model_cfg.d_model,
+                                      jax.random.PRNGKey(config.reward.head_seed))
     reward = assemble.trunk_only(trunk)
     reward.update(jax.device_put(head, sharding.replicated(mesh)))
     frozen = assemble.make_frozen(reward, model_cfg.compute_dtype)
@@ -63,6 +83,9 @@ def build(config: RunConfig) -> Job:
     config.validate()
     ppo_cfg = config.ppo
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    # Prompts first: a bad file or tokenizer is reported before any weight is loaded.
+    prompts = make_prompts(config, mesh, lm_config(config.model, config.model.policy_path)
+                           .vocab_size)
     policy_cfg, policy = load_lm(config.model, config.model.policy_path, mesh, ppo_cfg.seed)
     frozen: Dict[str, Any] = {"ref": assemble.make_frozen(policy, policy_cfg.compute_dtype)}
 
@@ -88,22 +111,58 @@ def build(config: RunConfig) -> Job:
     trainer = PPOTrainer(ppo_cfg, models, mesh, num_updates=config.num_updates,
                          reward_model=reward_model_cfg, peak_flops=peak)
     state = trainer.init_state(params)
-    prompts = data.synthetic_prompts(
-        mesh, batch_size=ppo_cfg.prompts_per_iteration, query_length=ppo_cfg.query_length,
-        vocab_size=policy_cfg.vocab_size, pad_id=ppo_cfg.pad_token_id, seed=ppo_cfg.seed,
-        min_length=config.data.min_prompt_length, low=config.data.low_token)
-
-    def prompts_position(iteration: int) -> Dict[str, Any]:
-        # Synthetic prompts are a pure function of (seed, iteration): the position is all.
-        return {"kind": "synthetic", "seed": ppo_cfg.seed, "next_iteration": iteration}
+    prompts_position = getattr(prompts, "position", None) or functools.partial(
+        _synthetic_position, ppo_cfg.seed)
 
     return Job(trainer, state, frozen, prompts, config.num_updates, prompts_position)
 
 
-def write_config(config: RunConfig, workdir: str) -> str:
-    """Writes WORKDIR/config.json atomically (a temp file renamed over it); returns the path."""
-    os.makedirs(workdir, exist_ok=True)
+def tokenizer_path(config: RunConfig) -> str:
+    """The run's tokenizer directory: data.tokenizer_path, else the policy's directory."""
+    return config.data.tokenizer_path or config.model.policy_path
+
+
+def make_prompts(config: RunConfig, mesh, vocab_size: int, *, purpose: str = "prompts",
+                 seed: Optional[int] = None, batch_size: Optional[int] = None) -> PromptFn:
+    """The run's PromptFn: text prompts (data.prompts_path + a tokenizer) or random tokens.
+
+    `purpose`="eval_prompts" reads data.eval_prompts_path when set (held-out prompts).
+    """
+    ppo_cfg = config.ppo
+    seed = ppo_cfg.seed if seed is None else seed
+    batch_size = ppo_cfg.prompts_per_iteration if batch_size is None else batch_size
+    if not config.data.prompts_path:
+        return data.synthetic_prompts(
+            mesh, batch_size=batch_size, query_length=ppo_cfg.query_length,
+            vocab_size=vocab_size, pad_id=ppo_cfg.pad_token_id, seed=seed,
+            min_length=config.data.min_prompt_length, low=config.data.low_token,
+            purpose=purpose)
+    from pjit_ppo.data import prompts as text  # transformers is imported only for text runs
+    options = config.data
+    if purpose == "eval_prompts" and options.eval_prompts_path:
+        options = dataclasses.replace(options, prompts_path=options.eval_prompts_path)
+    return text.text_prompts(mesh, options, batch_size=batch_size,
+                             query_length=ppo_cfg.query_length, pad_id=ppo_cfg.pad_token_id,
+                             seed=seed, vocab_size=vocab_size,
+                             stop_token=ppo_cfg.truncate_token,
+                             tokenizer_path=tokenizer_path(config), purpose=purpose)
+
+
+def _synthetic_position(seed: int, iteration: int) -> Dict[str, Any]:
+    # Synthetic prompts are a pure function of (seed, iteration): the position is all.
+    return {"kind": "synthetic", "seed": seed, "next_iteration": iteration}
+
+
+def write_config(config, workdir: str) -> str:
+    """Writes WORKDIR/config.json atomically (a temp file renamed over it); returns the path.
+
+    `config`: a RunConfig, or any stage config with `to_dict()` (SFT, reward learning).
+
+    Process 0 only (the others return the path without writing)."""
     path = os.path.join(workdir, "config.json")
+    if jax.process_index() != 0:
+        return path
+    os.makedirs(workdir, exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(config.to_dict(), f, indent=2, default=str)
@@ -117,7 +176,11 @@ def frozen_sources(config: RunConfig) -> Dict[str, str]:
               or f"random init (ppo.seed={config.ppo.seed}, model.random)")
     if config.reward.kind == "model":
         trunk = config.reward.path or "random init (ppo.seed + 1, model.random)"
-        reward = f"{trunk} + reward head (reward.head_seed={config.reward.head_seed})"
+        if config.reward.path and os.path.exists(
+                os.path.join(config.reward.path, heads.REWARD_HEAD_FILE)):
+            reward = f"{trunk} (a trained reward model: trunk + its reward head)"
+        else:
+            reward = f"{trunk} + reward head (reward.head_seed={config.reward.head_seed})"
     else:
         reward = f"target_tokens {list(config.reward.target_ids)}"
     return {"reference": f"the initial policy: {policy}", "reward": reward}
@@ -141,6 +204,19 @@ def _resume_point(config: RunConfig, checkpointer: checkpoint.RunCheckpointer) -
                           f"the config differs in {listed}. Use the checkpoint's values or a "
                           f"new --workdir")
     return step
+
+
+def _check_prompt_stream(saved: Dict[str, Any], now: Dict[str, Any], step: int) -> None:
+    """Refuses to resume on a different prompt set: the data position would mean nothing."""
+    for key in ("kind", "num_prompts", "fingerprint"):
+        if saved.get(key) != now.get(key):
+            raise ConfigError(
+                f"cannot resume from checkpoint {step}: its prompts were "
+                f"{saved.get('source') or saved.get('kind')} ({saved.get('num_prompts')} "
+                f"prompts, fingerprint {saved.get('fingerprint')}), now "
+                f"{now.get('source') or now.get('kind')} ({now.get('num_prompts')} prompts, "
+                f"fingerprint {now.get('fingerprint')}); restore the original prompt file "
+                f"or start a new --workdir")
 
 
 class _Preemption:
@@ -169,6 +245,34 @@ class _Preemption:
             signal.signal(sig, handler)
 
 
+def device_memory_limit() -> Optional[int]:
+    """Bytes one device may allocate, where the backend says (None on CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # backends differ: some raise instead of returning None
+        stats = {}
+    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+
+
+def log_memory_plan(job: Job, state: TrainState) -> Dict[str, Any]:
+    """Compiles both phases (the first iteration reuses them: no second compile) and logs
+    the memory plan, one line per phase (pjit_ppo.planning); warns when it will not fit."""
+    from pjit_ppo import planning
+    cfg = job.trainer.cfg
+    shape = (cfg.prompts_per_iteration, cfg.query_length)
+    job.trainer.compile(state, job.frozen, jax.ShapeDtypeStruct(shape, jnp.int32),
+                        jax.ShapeDtypeStruct(shape, jnp.bool_))
+    limit = device_memory_limit()
+    plan = planning.trainer_plan(job.trainer, state, job.frozen, limit)
+    for phase in planning.PHASES:
+        logging.info(planning.phase_line(phase, plan["phases"][phase], limit))
+    if plan["fits"] is False:
+        logging.warning("the memory plan's peak (%s) exceeds the device memory (%s): this run "
+                        "will run out of memory; see `pjit-ppo-plan` for the breakdown",
+                        planning.gb(plan["peak_bytes"]), planning.gb(limit))
+    return plan
+
+
 def train(config: RunConfig, workdir: str) -> Dict[str, float]:
     """Runs (or resumes) a PPO job in `workdir`.
 
@@ -182,10 +286,12 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
     config.validate()
     checkpointer = checkpoint.RunCheckpointer(workdir, config.checkpoint)
     start = _resume_point(config, checkpointer)
+    job = build(config)  # may still refuse the data or the weights: config.json waits for it
     write_config(config, workdir)
-    job = build(config)
     state = job.state
     if start:
+        _check_prompt_stream(checkpointer.run_info(start).get("prompt_stream", {}),
+                             job.prompts_position(start), start)
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                              sharding=x.sharding), state)
         jax.tree.map(lambda x: x.delete(), state)  # free the fresh state before reading
@@ -196,6 +302,18 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
     if dropped:
         logging.warning("metrics.jsonl: %d line(s) written after iteration %d moved to "
                         "metrics.jsonl.dropped", dropped, start)
+    samples_path = os.path.join(workdir, "samples.jsonl")
+    metrics_lib.truncate_jsonl(samples_path, start)
+    table = None
+    if config.data.samples_every:
+        job.trainer.sample_every = config.data.samples_every
+        job.trainer.sample_rows = min(config.data.samples_per_table,
+                                      config.ppo.batch_size)
+        table = SampleTable(samples_path, pad_id=config.ppo.pad_token_id,
+                            stop_token=config.ppo.truncate_token,
+                            truncate_after=config.ppo.truncate_after,
+                            tokenizer=getattr(job.prompts, "tokenizer", None))
+    log_memory_plan(job, state)
     writer = metrics_lib.make_writers(workdir, job.num_iterations,
                                       tensorboard=config.tensorboard, start_step=start)
     every = config.checkpoint.every
@@ -211,17 +329,34 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
     def after_iteration(it, state, metrics):
         last.clear()
         last.update(metrics)
+        if table is not None and job.trainer.last_samples is not None:
+            table.write(it + 1, job.trainer.last_samples)
         if (it + 1) % every == 0 or it + 1 == job.num_iterations:
             save(it + 1, state)
         final["state"] = state
 
     final = {"state": state}
+    stopping = {"agreed": False}
+    profiler = metrics_lib.TraceWindow(config.profile.start, config.profile.iterations,
+                                       os.path.join(workdir, "profile"))
+
+    def on_iteration(it, state, metrics):
+        profiler.after(it + 1)
+        after_iteration(it, state, metrics)
+
+    def should_stop(preemption):
+        # Every process stops after the same iteration, even when the signal reached
+        # only some of them (a multi-process run then saves one checkpoint together).
+        stopping["agreed"] = distributed.any_process(preemption.signal is not None)
+        return stopping["agreed"]
+
     try:
         with _Preemption() as preemption:
             job.trainer.train(state, job.frozen, job.prompts, job.num_iterations, writer=writer,
-                              start_iteration=start, on_iteration=after_iteration,
-                              should_stop=lambda: preemption.signal is not None)
-            if preemption.signal is not None:
+                              start_iteration=start, on_iteration=on_iteration,
+                              should_stop=lambda: should_stop(preemption),
+                              before_iteration=lambda it: profiler.before(it + 1))
+            if stopping["agreed"]:
                 step = int(final["state"].iteration)
                 if saved["step"] != step:
                     save(step, final["state"])
@@ -229,5 +364,6 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
                 logging.warning("preempted at iteration %d, saved checkpoint %d", step, step)
         checkpointer.wait()
     finally:
+        profiler.close()
         writer.close()
     return last

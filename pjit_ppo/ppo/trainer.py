@@ -16,12 +16,13 @@ from typing import Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from pjit_ppo import flops as flops_lib
 from pjit_ppo import metrics as metrics_lib
-from pjit_ppo import rng, sharding
+from pjit_ppo import distributed, rng, sharding
 from pjit_ppo.config import PPOConfig
 from pjit_ppo.optim import make_optimizer
 from pjit_ppo.ppo.kl import kl_init
@@ -103,6 +104,10 @@ class PPOTrainer:
                 f"{cfg.prompts_per_iteration} prompts per iteration (ppo.batch_size // "
                 f"ppo.samples_per_prompt) cannot be split evenly over the mesh's "
                 f"{batch_devices} batch devices (mesh.data x mesh.fsdp)")
+        if cfg.rollout_micro_batch_size % batch_devices:
+            raise ValueError(
+                f"ppo.rollout_micro_batch_size={cfg.rollout_micro_batch_size} cannot be split "
+                f"evenly over the mesh's {batch_devices} batch devices (mesh.data x mesh.fsdp)")
         self.cfg, self.models, self.mesh = cfg, models, mesh
         self.num_updates = int(num_updates)
         self.optimizer = optimizer or make_ppo_optimizer(cfg, self.num_updates)
@@ -111,6 +116,12 @@ class PPOTrainer:
         self._rollout = None
         self._update = None
         self.compile_seconds: Optional[float] = None
+        self._compile_reported = False
+        #: Sample tables: every `sample_every` iterations (and the first) the first
+        #: `sample_rows` episodes go to `last_samples` (host numpy; 0 = off).
+        self.sample_every, self.sample_rows = 0, 0
+        self.last_samples: Optional[Dict[str, np.ndarray]] = None
+        self._samples_fn = None
 
     # ------------------------------------------------------------ state
     def init_state(self, params) -> TrainState:
@@ -128,11 +139,36 @@ class PPOTrainer:
                 ) -> float:
         """Compiles both phases ahead of time for these shapes and shardings.
 
-        Returns the seconds it took (also kept in `compile_seconds`). Called by the
-        first `step` if not called before.
+        The arguments may be arrays or jax.ShapeDtypeStructs with shardings (nothing
+        is allocated). Returns the seconds it took (also kept in `compile_seconds`).
+        Called by the first `step` if not called before; `compiled` holds the results.
+        """
+        t0 = time.perf_counter()
+        lowered = self.lower(state, frozen, query, query_mask)
+        self._rollout = lowered["rollout"].compile()
+        self._update = lowered["update"].compile()
+        self.compile_seconds = time.perf_counter() - t0
+        # Processes finish compiling at different times; CPU collectives (gloo) give up
+        # on a peer more than 30 s late, so all processes start the first step together.
+        distributed.barrier("pjit_ppo_compiled")
+        return self.compile_seconds
+
+    @property
+    def compiled(self) -> Optional[Dict[str, jax.stages.Compiled]]:
+        """{"rollout", "update"} compiled programs once `compile` ran, else None."""
+        if self._rollout is None:
+            return None
+        return {"rollout": self._rollout, "update": self._update}
+
+    def lower(self, state: TrainState, frozen, query: jax.Array, query_mask: jax.Array
+              ) -> Dict[str, jax.stages.Lowered]:
+        """Both phases lowered (not compiled) for these shapes and shardings.
+
+        state, frozen: arrays or jax.ShapeDtypeStructs with shardings; query int32
+        [P, Q], query_mask bool [P, Q] likewise (P = ppo.prompts_per_iteration).
+        Returns {"rollout": Lowered, "update": Lowered}; nothing is allocated.
         """
         mesh, cfg = self.mesh, self.cfg
-        t0 = time.perf_counter()
         rep = sharding.replicated(mesh)
         batch_sh = sharding.batch_sharding(mesh, 2)
         state_sh = jax.tree.map(lambda x: x.sharding, state)
@@ -140,32 +176,38 @@ class PPOTrainer:
         def constrain_batch(mb):
             return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sh), mb)
 
+        # Every field is [B, ...] rank 2 except the [B] scores (the last field).
+        batch_out = RolloutBatch(*[batch_sh] * (len(RolloutBatch._fields) - 1),
+                                 scores=sharding.batch_sharding(mesh, 1))
         rollout_jit = jax.jit(functools.partial(rollout, cfg, self.models, mesh=mesh),
-                              out_shardings=(RolloutBatch(*[batch_sh] * len(RolloutBatch._fields)),
-                                             rep))
+                              out_shardings=(batch_out, rep))
         update_jit = jax.jit(functools.partial(update, cfg, self.models, self.optimizer,
                                                batch_constraint=constrain_batch),
                              donate_argnums=(0,), out_shardings=(state_sh, rep))
         key = self._key(jax.random.PRNGKey(0))
         query, query_mask = self._prompts(query, query_mask)
-        self._rollout = rollout_jit.lower(state.params, frozen, state.kl_coef, query, query_mask,
-                                          key).compile()
+        rollout_lowered = rollout_jit.lower(state.params, frozen, state.kl_coef, query,
+                                            query_mask, key)
         batch_shapes, _ = jax.eval_shape(rollout_jit, state.params, frozen, state.kl_coef, query,
                                          query_mask, key)
-        batch_abstract = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=batch_sh), batch_shapes)
+        batch_abstract = jax.tree.map(  # the update does not read the scores
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=batch_sh),
+            batch_shapes._replace(scores=None))
         kl_abstract = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
-        self._update = update_jit.lower(state, batch_abstract, kl_abstract, key).compile()
-        self.compile_seconds = time.perf_counter() - t0
-        return self.compile_seconds
+        return {"rollout": rollout_lowered,
+                "update": update_jit.lower(state, batch_abstract, kl_abstract, key)}
 
     def _key(self, key: jax.Array) -> jax.Array:
         return jax.device_put(key, sharding.replicated(self.mesh))
 
     def _prompts(self, query, query_mask):
         """The prompts in the batch sharding the compiled program expects (a no-op when
-        they already are, as the data pipeline makes them)."""
+        they already are, as the data pipeline makes them). Abstract prompts
+        (jax.ShapeDtypeStruct) get the sharding only."""
         batch_sh = sharding.batch_sharding(self.mesh, 2)
+        if isinstance(query, jax.ShapeDtypeStruct):
+            return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sh)
+                         for x in (query, query_mask))
         return jax.device_put(query, batch_sh), jax.device_put(query_mask, batch_sh)
 
     def rollout(self, state: TrainState, frozen, query, query_mask, iteration: int):
@@ -181,28 +223,43 @@ class PPOTrainer:
              iteration: int) -> Tuple[TrainState, Dict[str, float]]:
         """One PPO iteration. `state` is donated; returns the new state and host metrics.
 
-        The first call compiles (unless `compile` was called) and adds `time/compile_s`.
+        The first call compiles (unless `compile` was called); the first step after the
+        compile (its own or an earlier `compile`) adds `time/compile_s`.
         """
-        compiled_now = self._rollout is None
-        if compiled_now:
+        if self._rollout is None:
             self.compile(state, frozen, query, query_mask)
         _, update_key = iteration_keys(self.cfg, iteration)
         t0 = time.perf_counter()
         batch, rollout_metrics = self.rollout(state, frozen, query, query_mask, iteration)
         jax.block_until_ready(batch)
         t1 = time.perf_counter()
-        state, update_metrics = self._update(state, batch, rollout_metrics["objective/kl"],
+        state, update_metrics = self._update(state, batch._replace(scores=None),
+                                             rollout_metrics["objective/kl"],
                                              self._key(update_key))
         jax.block_until_ready(state.params)
         t2 = time.perf_counter()
+        due = self.sample_every and (iteration == 0 or (iteration + 1) % self.sample_every == 0)
+        self.last_samples = self._take_samples(batch) if due else None  # outside the timings
         metrics = {k: float(v) for k, v in jax.device_get({**rollout_metrics,
                                                            **update_metrics}).items()}
         metrics.update(self._throughput(t1 - t0, t2 - t1))
-        if compiled_now:
+        if not self._compile_reported:  # the first step after the compile
             metrics["time/compile_s"] = self.compile_seconds
+            self._compile_reported = True
         metrics.update(metrics_lib.device_memory_stats())
         metrics["ppo/episode"] = float((iteration + 1) * self.cfg.batch_size)
         return state, metrics
+
+    def _take_samples(self, batch: RolloutBatch) -> Dict[str, np.ndarray]:
+        """The first `sample_rows` episodes of a batch on every host (a small replicated
+        gather, so it works when the batch spans several processes)."""
+        if self._samples_fn is None:
+            n = self.sample_rows
+            self._samples_fn = jax.jit(
+                lambda b: {"query": b.query[:n], "query_mask": b.query_mask[:n],
+                           "response": b.response[:n], "score": b.scores[:n]},
+                out_shardings=sharding.replicated(self.mesh))
+        return {k: np.asarray(v) for k, v in self._samples_fn(batch).items()}
 
     def _throughput(self, rollout_s: float, update_s: float) -> Dict[str, float]:
         cfg = self.cfg
@@ -222,17 +279,21 @@ class PPOTrainer:
     def train(self, state: TrainState, frozen, prompts: PromptFn,
               num_iterations: Optional[int] = None, writer=None, start_iteration: int = 0,
               on_iteration: Optional[Callable[[int, TrainState, Dict[str, float]], None]] = None,
-              should_stop: Optional[Callable[[], bool]] = None) -> TrainState:
+              should_stop: Optional[Callable[[], bool]] = None,
+              before_iteration: Optional[Callable[[int], None]] = None) -> TrainState:
         """Runs iterations start_iteration .. num_iterations - 1; returns the final state.
 
         num_iterations defaults to the trainer's num_updates. After each iteration the
         metrics are written, `on_iteration(it, state, metrics)` runs (e.g. a checkpoint
         save), and the loop ends early when `should_stop()` is true (e.g. preemption).
+        `before_iteration(it)` runs before each iteration's prompts (e.g. a profiler).
         Stops with NonFiniteError (after writing that iteration's metrics) when a
         guarded quantity is not finite.
         """
         num_iterations = self.num_updates if num_iterations is None else num_iterations
         for it in range(start_iteration, num_iterations):
+            if before_iteration is not None:
+                before_iteration(it)
             query, query_mask = prompts(it)
             state, metrics = self.step(state, frozen, query, query_mask, it)
             if writer is not None:

@@ -64,6 +64,8 @@ class RolloutBatch(NamedTuple):
     returns: Optional[jax.Array]  # float32 [B, R], value targets
     mask: Optional[jax.Array] = None          # bool [B, R], tokens the loss counts
     ref_logprobs: Optional[jax.Array] = None  # float32 [B, R], frozen reference policy
+    scores: Optional[jax.Array] = None  # float32 [B], the reward of each episode (for sample
+    #                                     tables; the update does not read it)
 
 
 class TrainState(NamedTuple):

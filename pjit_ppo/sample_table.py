@@ -1,0 +1,64 @@
+"""Decoded sample tables: WORKDIR/samples.jsonl, one line per episode shown.
+
+Each line: {"iteration": completed iterations, "prompt": str, "response": str,
+"score": float}. The response is shown as the reward saw it (cut after the stop
+token when ppo.truncate_token is set). Without a tokenizer (random token prompts)
+prompt and response are lists of token ids. Written by process 0 only.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional, Union
+
+import jax
+import numpy as np
+
+
+def truncated(response: np.ndarray, stop_token: Optional[int], min_index: int,
+              pad_id: int) -> np.ndarray:
+    """Host copy of the reference truncation: tokens after the first stop token at index
+    >= min_index become pad_id (int [N, R] -> int [N, R])."""
+    out = np.array(response)
+    if stop_token is None:
+        return out
+    for row in out:
+        hits = np.nonzero(row[min_index:] == stop_token)[0]
+        if hits.size:
+            row[min_index + hits[0] + 1:] = pad_id
+    return out
+
+
+class SampleTable:
+    """Appends decoded samples to `path` (see the module docstring)."""
+
+    def __init__(self, path: str, *, pad_id: int, stop_token: Optional[int] = None,
+                 truncate_after: int = 0, tokenizer=None):
+        self.path, self.pad_id, self.tokenizer = path, pad_id, tokenizer
+        self.stop_token, self.truncate_after = stop_token, truncate_after
+
+    def _text(self, row: np.ndarray, keep: np.ndarray) -> Union[str, List[int]]:
+        ids = [int(t) for t, k in zip(row, keep) if k]
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ids
+
+    def rows(self, iteration: int, samples: Dict[str, np.ndarray]) -> List[dict]:
+        """Lines for samples = {"query" int [N, Q], "query_mask" bool [N, Q], "response"
+        int [N, R], "score" f32 [N]}."""
+        response = truncated(samples["response"], self.stop_token, self.truncate_after,
+                             self.pad_id)
+        if self.stop_token is None:
+            kept = np.ones(response.shape, bool)  # every sampled token counts
+        else:
+            kept = response != self.pad_id
+        return [{"iteration": iteration, "prompt": self._text(q, qm),
+                 "response": self._text(r, k), "score": float(s)}
+                for q, qm, r, k, s in zip(samples["query"], samples["query_mask"], response,
+                                          kept, samples["score"])]
+
+    def write(self, iteration: int, samples: Dict[str, np.ndarray]) -> None:
+        if jax.process_index() != 0:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            for line in self.rows(iteration, samples):
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
