@@ -34,7 +34,8 @@ setuptools.setup(
     extras_require={
         # transformers (PyTorch models) is only needed to check parity and to
         # make tiny checkpoints in tests; torch is pinned to the CPU wheel.
-        "test": ["pytest>=8", "torch==2.13.0", "vaderSentiment==3.3.2", "matplotlib>=3.8"],
+        "test": ["pytest>=8", "torch==2.13.0", "vaderSentiment==3.3.2", "matplotlib>=3.8",
+                 "datasets>=3"],
         # The embedded demo (launch/demo.py): VADER, the gold sentiment judge, and plots.
         "demo": ["vaderSentiment==3.3.2", "matplotlib>=3.8"],
     },

@@ -11,7 +11,8 @@ reward.path) at the downloaded directories.
   python launch/train_ppo.py --config=configs/gptj_6b.py --workdir=DIR \
       --config.model.policy_path=/models/gpt-j-6b --config.reward.path=/models/reward
 
-Variants (--config=configs/gptj_6b.py:ARG):
+Variants (--config=configs/gptj_6b.py:ARG, comma-separated; also fsdp, dp, tpN from
+configs/base.py):
   ""      PPO with GAE and a separate critic (from the reward model's trunk)
   "grpo"  critic-free GRPO, 4 samples per prompt (128 prompts x 4), no critic at all
 
@@ -22,7 +23,13 @@ Memory options (per device; the planner's figures, dated, are in docs/performanc
   ppo.rollout_micro_batch_size     the rollout samples and scores 64 episodes at a time
   model.remat_policy="full"        each layer's activations recomputed in the backward
 """
-from pjit_ppo.config import MeshConfig, ModelOptions, PPOConfig, RewardOptions, RunConfig
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import base  # noqa: E402  (configs/base.py)
+
+from pjit_ppo.config import DataOptions, RunConfig  # noqa: E402
 
 #: GPT-J-6B's config.json (EleutherAI/gpt-j-6b), the fields the model needs.
 GPTJ_6B = {
@@ -41,26 +48,28 @@ GPTJ_6B = {
     "bos_token_id": 50256,
     "eos_token_id": 50256,
 }
+#: A dedicated pad id (not EOS): GPT-J's embedding has 50400 rows and text tokenises to
+#: ids below 50257, so the last row is never a text token.
+PAD_ID = 50399
 
-VARIANTS = {
-    "": dict(advantage_estimator="gae"),
-    "grpo": dict(advantage_estimator="grpo", samples_per_prompt=4,
-                 loss_aggregation="sequence_mean", kl_loss_coef=0.04),
-}
+
+def grpo(config: RunConfig) -> None:
+    """Critic-free GRPO: 128 prompts x 4 samples, KL as a loss term, no critic at all."""
+    config.ppo.advantage_estimator = "grpo"
+    config.ppo.samples_per_prompt = 4
+    config.ppo.loss_aggregation = "sequence_mean"
+    config.ppo.kl_loss_coef = 0.04
+
+
+VARIANTS = {"grpo": grpo}
 
 
 def get_config(arg: str = "") -> RunConfig:
-    if arg not in VARIANTS:
-        raise ValueError(f"configs/gptj_6b.py:{arg}; choose one of "
-                         f"{', '.join(repr(v) for v in VARIANTS)}")
-    return RunConfig(
-        model=ModelOptions(random=dict(GPTJ_6B), compute_dtype="bfloat16",
-                           remat_policy="full"),
-        reward=RewardOptions(kind="model"),
-        mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
-        ppo=PPOConfig(query_length=64, response_length=24, batch_size=512, nminibatches=1,
-                      noptepochs=4, gradient_accumulation_steps=64, rollout_micro_batch_size=64,
-                      critic_init="reward", pad_token_id=50256, truncate_token=13,
-                      **VARIANTS[arg]),
-        measure_peak=False,
-    )
+    config = base.recipe(
+        shape=GPTJ_6B, policy_path="", reward_path="",
+        ppo=base.lm_human_preferences_ppo(gradient_accumulation_steps=64,
+                                          rollout_micro_batch_size=64, pad_token_id=PAD_ID),
+        data=DataOptions(), compute_dtype="bfloat16", remat_policy="full", arg=arg,
+        variants=VARIANTS)
+    config.measure_peak = False
+    return config

@@ -172,3 +172,19 @@ def test_resume_accepts_fields_added_later_at_their_defaults():
     config.data.samples_every = 3
     assert resume_conflicts(saved, config.to_dict()) == {
         "data.samples_every": ("<absent>", 3)}
+
+
+def test_saved_hf_dataset_loads_and_its_errors_name_the_directory(tmp_path):
+    import datasets  # in the test extra; optional for users (only saved datasets need it)
+    rows = {"prompt": ["the dog", "a cat"], "other": [1, 2]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
+    assert text.load_prompt_texts(str(tmp_path / "ds")) == ["the dog", "a cat"]
+    with pytest.raises(DataError, match=r"ds: no column 'text' \(data.prompt_field\)"):
+        text.load_prompt_texts(str(tmp_path / "ds"), field="text")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(
+        str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"holds splits \['train'\]"):
+        text.load_prompt_texts(str(tmp_path / "dd"))
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(DataError, match="not a dataset saved by datasets.save_to_disk"):
+        text.load_prompt_texts(str(tmp_path / "plain"))
