@@ -12,21 +12,21 @@ import os
 from typing import Dict, List, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from pjit_ppo.padding import truncate_after_stop
 
 
 def truncated(response: np.ndarray, stop_token: Optional[int], min_index: int,
               pad_id: int) -> np.ndarray:
-    """Host copy of the reference truncation: tokens after the first stop token at index
-    >= min_index become pad_id (int [N, R] -> int [N, R])."""
-    out = np.array(response)
+    """The reference truncation (padding.truncate_after_stop) of a few host rows:
+    tokens after the first stop token at index >= min_index become pad_id
+    (int [N, R] -> int [N, R]; unchanged when stop_token is None)."""
     if stop_token is None:
-        return out
-    for row in out:
-        hits = np.nonzero(row[min_index:] == stop_token)[0]
-        if hits.size:
-            row[min_index + hits[0] + 1:] = pad_id
-    return out
+        return np.array(response)
+    return np.asarray(truncate_after_stop(jnp.asarray(response), stop_token, min_index,
+                                          pad_id)[0])
 
 
 class SampleTable:
