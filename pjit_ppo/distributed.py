@@ -9,6 +9,12 @@ the mesh, the compiled programs and the checkpoints are the same as in one proce
   none given, by JAX's cluster auto-detection when a multi-process environment
   (SLURM, Open MPI, TPU pods, Kubernetes) is present. A single process needs nothing.
   CPU processes use gloo for their cross-process collectives.
+- Exactness on CPU (`initialize`): N processes compute bit for bit what one process
+  with all N x d devices computes *on gloo*: `--num_processes=1` with a
+  `--coordinator_address` starts the runtime in one process for that (gloo sums
+  across devices in another order than XLA:CPU's in-process collectives, so a plain
+  one-process run agrees only to float32 rounding), and CPU processes size XLA's
+  thread pool for the run's global device count (`_size_cpu_thread_pool`).
 - Failure handling: every process sends heartbeats to the coordination service; a
   process that dies is noticed after `heartbeat_timeout_s` and the others stop with
   an error instead of waiting forever in a collective.
@@ -22,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging as std_logging
 import os
+import re
 from typing import Any, Optional, Tuple
 
 #: Defaults of the failure-detection timeouts (seconds). A dead peer usually breaks the
@@ -44,7 +51,8 @@ class DistributedOptions:
     """How this process joins a multi-process run (all None: single process or auto-detect).
 
     coordinator_address: "host:port" of process 0's coordination service.
-    num_processes: the number of processes of the run (1: never start the runtime).
+    num_processes: the number of processes of the run (1: start the runtime only with
+      a coordinator_address: a one-process run on gloo, see `initialize`).
     process_id: this process's index in [0, num_processes).
     local_device_ids: the local accelerators this process drives (None: all of them,
       or what the cluster environment says).
@@ -142,15 +150,19 @@ def initialize(options: DistributedOptions = DistributedOptions()) -> bool:
     Call it before anything asks jax for devices. With explicit options (any of
     coordinator_address / num_processes / process_id) the missing ones come from the
     cluster environment; with none, the runtime starts only when a multi-process
-    environment is detected (`detected_cluster`). num_processes=1 never starts it.
-    CPU-only runs select gloo cross-process collectives.
+    environment is detected (`detected_cluster`). num_processes=1 starts it only with
+    a coordinator_address: one process on the runtime, the reference a multi-process
+    CPU run equals bit for bit (both on gloo; without the runtime XLA:CPU's in-process
+    all-reduce sums in device order, gloo in another, so they agree to rounding only).
+    CPU-only runs select gloo cross-process collectives and size XLA's thread pool for
+    the global device count (`_size_cpu_thread_pool`).
 
     Raises:
       DistributedError: inconsistent options, or the backend already started.
     """
     import jax
     options.check()
-    if options.num_processes == 1:
+    if options.num_processes == 1 and options.coordinator_address is None:
         return False
     cluster = detected_cluster()
     if not options.explicit and cluster is None:
@@ -161,20 +173,61 @@ def initialize(options: DistributedOptions = DistributedOptions()) -> bool:
                                "call pjit_ppo.distributed.initialize first thing")
     if _cpu_only():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    process_id = 0 if options.num_processes == 1 else options.process_id
     std_logging.getLogger("absl").info(
         "joining a multi-process run: coordinator %s, process %s of %s%s",
         options.coordinator_address or "(from the environment)",
-        "auto" if options.process_id is None else options.process_id,
+        "auto" if process_id is None else process_id,
         "auto" if options.num_processes is None else options.num_processes,
         f" (detected {cluster})" if cluster and not options.explicit else "")
     jax.distributed.initialize(
         coordinator_address=options.coordinator_address,
-        num_processes=options.num_processes, process_id=options.process_id,
+        num_processes=options.num_processes,
+        process_id=process_id,
         local_device_ids=list(options.local_device_ids) if options.local_device_ids else None,
         initialization_timeout=options.initialization_timeout_s,
         heartbeat_timeout_seconds=options.heartbeat_timeout_s,
         shutdown_timeout_seconds=options.shutdown_timeout_s)
+    if _cpu_only():
+        from jax._src import distributed as jax_distributed
+        _size_cpu_thread_pool(jax_distributed.global_state.num_processes)
     return True
+
+
+def _local_cpu_devices() -> int:
+    """The number of CPU devices this process will have, read before the backend starts:
+    jax_num_cpu_devices, else XLA_FLAGS' --xla_force_host_platform_device_count, else 1."""
+    import jax
+    n = jax.config.jax_num_cpu_devices
+    if n is not None and n > 0:
+        return int(n)
+    counts = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                        os.environ.get("XLA_FLAGS", ""))
+    return int(counts[-1]) if counts else 1
+
+
+def _size_cpu_thread_pool(num_processes: int) -> None:
+    """Gives this CPU process the XLA thread pool one process with all the run's devices
+    would have, so that every process compiles and runs the programs that one would.
+
+    XLA:CPU sizes its pool max(PJRT_NPROC or NPROC, else the schedulable CPUs, local
+    devices), and the pool size is part of the numerics: XLA partitions its parallel
+    work by it (measured on 2 cores: the PPO update compiled for 2 x 4 devices had 4-way
+    loop-fusion partitions where 1 x 8 had 8-way, and the updated parameters differed
+    in the last bits; with equal pools the programs and the parameters are identical).
+    So when the global device count exceeds the CPUs, PJRT_NPROC is set to it (the
+    pool a one-process run would get); a PJRT_NPROC or NPROC the user set is kept.
+    Needs to run before the backend starts (it reads the variable once).
+    """
+    if os.environ.get("PJRT_NPROC") or os.environ.get("NPROC"):
+        return
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    devices = (num_processes or 1) * _local_cpu_devices()
+    if devices > cpus:
+        os.environ["PJRT_NPROC"] = str(devices)
 
 
 # ------------------------------------------------------------------ process-0 helpers
