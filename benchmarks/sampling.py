@@ -7,8 +7,9 @@ Both run the same random-weight GPT-2-architecture model (vocab 50257, d_model
 temperature 0.7, no top-k / top-p, exactly `new_tokens` tokens per row.
 
 With `--samples_per_prompt G`, each of the `--batch` prompts is sampled G times
-(batch x G rows): ours repeats the prompt rows as the PPO rollout does, and
-transformers gets `num_return_sequences=G`.
+(batch x G rows): ours repeats the prompt rows as the PPO rollout does (and, as
+there, prefills each prompt once: `samples_per_prompt=G`), and transformers gets
+`num_return_sequences=G`.
 
 Prints compile time (ours), then the median over `--runs` timed runs (after a
 warm-up) of new tokens per second for each, and the ratio. No assertions.
@@ -102,7 +103,7 @@ def main(argv=None):
 
     # ---- ours
     fn = make_generate_fn(config, max_new_tokens=args.new_tokens,
-                          temperature=args.temperature)
+                          temperature=args.temperature, samples_per_prompt=g)
     # Each prompt's samples in contiguous rows, as the PPO rollout lays out a group.
     j_ids, j_mask = jnp.asarray(np.repeat(ids, g, 0)), jnp.asarray(np.repeat(mask, g, 0))
     start = time.perf_counter()

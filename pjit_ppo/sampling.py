@@ -3,7 +3,12 @@
 `generate` runs one prefill of the prompt into a preallocated KV cache, then a
 `lax.scan` over the new tokens that feeds one token per step; nothing leaves the
 device and every Python-level option is static, so it traces inside a larger
-jit (the PPO rollout) and compiles once per shape.
+jit (the PPO rollout) and compiles once per shape. The cache has one buffer per
+layer (KVCache's per-layer layout, layers unrolled), which each step updates in
+place before reading it: a stacked [L, ...] cache is copied when a layer is sliced
+out of it, which on CPU cost more than the rest of a step. With
+`samples_per_prompt=G` (the PPO rollout's groups) each prompt is prefilled once and
+its cache copied to its G rows.
 
 Log-probabilities. `generate` returns, for every sampled token, its log-prob
 under ``log_softmax(logits / temperature)``: the temperature-scaled but
@@ -23,9 +28,12 @@ threefry (on by default in jax 0.10), draws the same numbers on one device and
 on any mesh. Logits are gathered along the vocabulary before the search so
 that its rounding does not depend on the mesh either.
 
-Cost per step: the LM head on [B, D] (logits [B, V], never [B, T, V]), a few
-O(V) passes over [B, V] for sampling, and the transformer on one token per row
-against the cache. Top-p without top-k sorts the vocabulary each step (top-k
+Cost per step: the LM head on [B, D] (logits [B, W], never [B, T, V]; W is V padded
+to a multiple of the block with zero weight columns, padded once per call, so that
+the block reductions need no padded copy per step), two O(V) reading passes over
+the logits for sampling (the row max, then the exp block sums; the scaled logits
+are never written out), and the transformer on one token per row against the
+cache. Top-p without top-k sorts the vocabulary each step (top-k
 uses `lax.top_k`, and top-p after top-k only sorts the k survivors).
 """
 from __future__ import annotations
@@ -42,14 +50,18 @@ from pjit_ppo import sharding
 from pjit_ppo.config import SamplingOptions
 from pjit_ppo.models.config import ModelConfig
 from pjit_ppo.models.transformer import (KVCache, forward, init_kv_cache, lm_head_logits,
-                                         param_shapes)
+                                         lm_head_weights, param_shapes)
 from pjit_ppo.padding import position_ids_from_mask
 
 __all__ = ["SamplingOptions", "generate", "make_generate_fn", "sample_from_logits",
            "filter_logits", "keep_threshold"]
 
-# Logical axes of the KV cache [n_layers, batch, n_kv_heads, max_len, head_dim].
-CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
+# Block length of the two-level inverse-CDF search (speed only: any size draws exactly).
+BLOCK_SIZE = 256
+
+# Logical axes of one layer's KV cache buffer [batch, n_kv_heads, max_len, head_dim]
+# (the sampler keeps one buffer per layer: KVCache's per-layer layout).
+CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 # ------------------------------------------------------------------ one step
@@ -113,19 +125,43 @@ def _search(cdf: jax.Array, u: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.minimum(idx, last.astype(jnp.int32))
 
 
-def _inverse_cdf_sample(scaled, top, threshold, key, block: int, rows=None):
-    """Draws a token with probability proportional to exp(scaled - top) where kept.
+def _blocks(x: jax.Array, vocab: int, block: int, reduce, per_block) -> jax.Array:
+    """Per-block reductions over the real tokens of x [B, W] (W a multiple of block):
+    reduce(per_block(x) [B, n, block], axis=-1) -> [B, n], n = ceil(vocab / block).
+
+    One pass over the blocked view (a reshape, no copy); the block that holds the
+    last real token is redone from its real columns only when padding follows them.
+    """
+    batch, width = x.shape
+    n = -(-vocab // block)
+    out = reduce(per_block(x).reshape(batch, width // block, block), axis=-1)[:, :n]
+    if n * block > vocab:
+        last = reduce(per_block(x[:, (n - 1) * block:vocab]), axis=-1, keepdims=True)
+        out = jnp.concatenate([out[:, :n - 1], last], axis=-1)
+    return out
+
+
+def _inverse_cdf_sample(logits, vocab, temperature, top, threshold, key, block: int,
+                        rows=None):
+    """Draws a token with probability proportional to exp(logits / temperature - top)
+    where kept.
 
     Two-level inverse CDF: one uniform per row picks a block of `block` tokens
     from the cumulative block sums, then a token inside the block, whose
     weights are recomputed from a gathered [B, block] slice of the logits.
     Exact like a flat cumsum over V, but a [B, 50k] cumsum (and a gather from
     a fused [B, V] expression) is several times slower on CPU than the
-    reductions used here.
+    reductions used here. The scaled logits are never written out as a [B, V]
+    array: the block sums read the raw logits in one pass, and only the chosen
+    block is scaled again.
 
     Args:
-      scaled: float32 [B, V]; top: float32 [B, 1], the row max of scaled;
-      threshold: None or float32 [B, 1] (tokens below it get weight 0);
+      logits: float32 [B, W], W a multiple of block and >= vocab: raw logits of the
+        vocab tokens, then padding columns (any values; never drawn).
+      vocab: the number of real tokens.
+      temperature: float, the logits are scaled as `logits / temperature`;
+      top: float32 [B, 1], the row max of the scaled logits;
+      threshold: None or float32 [B, 1] (scaled logits below it get weight 0);
       key: PRNG key; block: block size.
       rows: None, or (row_ids int32 [B], total_rows): these B rows are rows `row_ids`
         of a batch of total_rows, and draw exactly what they would draw there.
@@ -134,15 +170,14 @@ def _inverse_cdf_sample(scaled, top, threshold, key, block: int, rows=None):
       (tokens int32 [B], scaled logit of each token float32 [B],
        total kept weight sum(exp(scaled - top)) float32 [B]).
     """
-    batch, vocab = scaled.shape
-    n_blocks = -(-vocab // block)
-    padded = jnp.pad(scaled, ((0, 0), (0, n_blocks * block - vocab)), constant_values=-jnp.inf)
+    batch = logits.shape[0]
 
-    def weight(x):
-        w = jnp.exp(x - top)
-        return w if threshold is None else jnp.where(x >= threshold, w, 0.0)
+    def weight(x):  # raw logits -> unnormalised kept probability
+        scaled = x / temperature
+        w = jnp.exp(scaled - top)
+        return w if threshold is None else jnp.where(scaled >= threshold, w, 0.0)
 
-    block_sums = jnp.sum(weight(padded).reshape(batch, n_blocks, block), axis=-1)  # [B, nb]
+    block_sums = _blocks(logits, vocab, block, jnp.sum, weight)  # [B, n]
     block_cdf = jnp.cumsum(block_sums, axis=-1)
     total = block_cdf[:, -1:]
     if rows is None:
@@ -152,43 +187,84 @@ def _inverse_cdf_sample(scaled, top, threshold, key, block: int, rows=None):
     u = u * total
     b = _search(block_cdf, u, block_sums)  # [B]
     below = jnp.take_along_axis(block_cdf - block_sums, b[:, None], axis=-1)  # mass before b
-    xs = jnp.take_along_axis(padded.reshape(batch, n_blocks, block), b[:, None, None],
+    xs = jnp.take_along_axis(logits.reshape(batch, -1, block), b[:, None, None],
                              axis=1)[:, 0]  # [B, block]
-    inner = weight(xs)
+    ids = b[:, None] * block + jnp.arange(block, dtype=jnp.int32)[None, :]
+    inner = jnp.where(ids < vocab, weight(xs), 0.0)
     i = _search(jnp.cumsum(inner, axis=-1), jnp.maximum(u - below, 0.0), inner)
-    picked = jnp.take_along_axis(xs, i[:, None], axis=-1)[:, 0]
+    picked = jnp.take_along_axis(xs, i[:, None], axis=-1)[:, 0] / temperature
     return b * block + i, picked, total[:, 0]
 
 
 def sample_from_logits(logits: jax.Array, key: jax.Array, *, temperature: float = 1.0,
                        top_k: int = 0, top_p: float = 1.0, top_p_mode: str = "transformers",
-                       greedy: bool = False, block_size: int = 256, rows=None):
+                       greedy: bool = False, block_size: int = BLOCK_SIZE, rows=None,
+                       vocab_size: Optional[int] = None):
     """Draws one token per row and returns its unfiltered, temperature-scaled logprob.
 
     Args:
-      logits: float [B, V] raw next-token logits.
+      logits: float [B, V] raw next-token logits, or [B, W] with W = V rounded up to a
+        multiple of block_size and V = vocab_size: the columns from V on are padding
+        (any values) and are never drawn (the sampler's LM head pads this way, so
+        that no padded copy of the logits is made per step).
       key: PRNG key for this step (unused when greedy).
       temperature, top_k, top_p, top_p_mode, greedy: as in SamplingOptions.
       block_size: block length of the two-level inverse-CDF search (speed only).
       rows: None, or (row_ids int32 [B], total_rows): the draws these rows get as rows
         `row_ids` of a batch of total_rows (a micro-batch samples like the whole batch).
+      vocab_size: V; default: all of logits' columns.
 
     Returns:
       (tokens int32 [B], logprobs float32 [B]) with logprobs from
       log_softmax(logits / temperature) (no top-k / top-p filtering).
     """
-    scaled = logits.astype(jnp.float32) / temperature
-    top = jnp.max(scaled, axis=-1, keepdims=True)  # [B, 1]
+    logits = logits.astype(jnp.float32)
+    width = logits.shape[-1]
+    vocab = width if vocab_size is None else int(vocab_size)
+    padded = -(-vocab // block_size) * block_size
+    if width not in (vocab, padded):
+        raise ValueError(f"logits have {width} columns; expected the vocabulary ({vocab}) or "
+                         f"it rounded up to a multiple of block_size {block_size} ({padded})")
+    real = logits[:, :vocab] if width > vocab else logits
+    if width < padded:  # a padded copy: callers in a loop should pass padded logits
+        logits = jnp.pad(logits, ((0, 0), (0, padded - width)))
+    # Rounding is monotone, so max(logits / T) == max(logits) / T exactly (T > 0): the
+    # scaled [B, V] array need not exist for the max.
+    top = jnp.max(_blocks(logits, vocab, block_size, jnp.max, lambda x: x), axis=-1,
+                  keepdims=True) / temperature  # [B, 1]
     if greedy:
-        tokens = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
+        tokens = jnp.argmax(real / temperature, axis=-1).astype(jnp.int32)
         picked, threshold, total = top[:, 0], None, None
     else:
-        threshold = keep_threshold(scaled, top_k, top_p, top_p_mode)
-        tokens, picked, total = _inverse_cdf_sample(scaled, top, threshold, key, block_size,
-                                                    rows)
+        threshold = keep_threshold(real / temperature, top_k, top_p, top_p_mode)
+        tokens, picked, total = _inverse_cdf_sample(logits, vocab, temperature, top,
+                                                    threshold, key, block_size, rows)
     if threshold is not None or total is None:  # need the unfiltered normaliser
-        total = jnp.sum(jnp.exp(scaled - top), axis=-1)
+        total = jnp.sum(jnp.exp(real / temperature - top), axis=-1)
     return tokens, picked - top[:, 0] - jnp.log(total)
+
+
+def _padded_lm_head(config: ModelConfig, params, block: int):
+    """The LM head as `hidden [B, 1, D] -> float32 logits [B, W]`, W = V rounded up to
+    a multiple of `block` with zero weight columns (see `sample_from_logits`): the
+    sampler's block reductions then read the head's output without a padded copy
+    per step. The padded weight is made once, outside the decode loop; the real
+    columns are the same dot as `lm_head_logits`."""
+    vocab = config.vocab_size
+    width = -(-vocab // block) * block
+    if width == vocab:
+        return lambda hidden: lm_head_logits(config, params, hidden)[:, 0]
+    w, b, vocab_major = lm_head_weights(config, params)
+    extra = width - vocab
+    w = jnp.pad(w, ((0, extra), (0, 0)) if vocab_major else ((0, 0), (0, extra)))
+    b = None if b is None else jnp.pad(b, (0, extra))
+    spec = "btd,vd->btv" if vocab_major else "btd,dv->btv"
+
+    def head(hidden):
+        logits = jnp.einsum(spec, hidden, w.astype(hidden.dtype),
+                            preferred_element_type=jnp.float32)[:, 0]
+        return logits if b is None else logits + b
+    return head
 
 
 # ------------------------------------------------------------------ the loop
@@ -215,7 +291,8 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
              min_new_tokens: Optional[int] = None, pad_token_id: Optional[int] = None,
              mesh: Optional[Mesh] = None, return_logits: bool = False,
              axis_rules: Mapping[str, Any] = sharding.DEFAULT_AXIS_RULES,
-             row_ids: Optional[jax.Array] = None, total_rows: Optional[int] = None):
+             row_ids: Optional[jax.Array] = None, total_rows: Optional[int] = None,
+             samples_per_prompt: int = 1):
     """Samples `max_new_tokens` tokens after left-padded prompts with a KV cache.
 
     Traceable inside jit; all keyword options are static Python values (see
@@ -237,6 +314,13 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
       row_ids, total_rows: for a micro-batch of a larger batch: int32 [B], the rows of
         the whole batch (of total_rows, static) these prompts are; each row then draws
         the random numbers it would draw in the whole batch (same tokens).
+      samples_per_prompt: G (static). With G > 1 the rows come in contiguous groups of
+        G copies of one prompt (as the PPO rollout lays them out): the prefill then
+        runs on the first row of each group only and its KV cache and first logits
+        are copied to the group's other rows (a G-fold smaller prefill; the other
+        rows' prompt_ids are not read). Same samples as prefilling every row, up to
+        the rounding of a matmul over fewer rows. With a mesh whose batch devices do
+        not divide B / G, every row is prefilled (no data moves between devices).
 
     Returns:
       tokens int32 [B, max_new_tokens]; logprobs float32 [B, max_new_tokens]
@@ -261,15 +345,19 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         return x if mesh is None else sharding.constrain(x, mesh, axes, axis_rules)
 
     def constrain_cache(cache):
-        return KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES))
+        return KVCache(tuple(constrain(k, CACHE_AXES) for k in cache.k),
+                       tuple(constrain(v, CACHE_AXES) for v in cache.v))
+
+    head = _padded_lm_head(config, params, BLOCK_SIZE)  # [B, 1, D] -> [B, W], W >= V
 
     def pick(logits, step, done):
-        """Token `step` from logits [B, V]; handles the stop token. done: bool [B]."""
+        """Token `step` from logits [B, W]; handles the stop token. done: bool [B]."""
         logits = constrain(logits, ("batch", None))
         tok, lp = sample_from_logits(logits, jax.random.fold_in(key, step),
                                      temperature=opts.temperature, top_k=opts.top_k,
                                      top_p=opts.top_p, top_p_mode=opts.top_p_mode,
-                                     greedy=opts.greedy, rows=rows)
+                                     greedy=opts.greedy, rows=rows,
+                                     vocab_size=config.vocab_size)
         if opts.stop_token is None:
             return tok, lp, done
         tok = jnp.where(done, jnp.int32(opts.pad_token_id), tok)
@@ -282,12 +370,27 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
     cache_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, n_new), bool)], axis=1)
     n_real = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # [B]
 
-    cache = constrain_cache(init_kv_cache(config, batch, prompt_len + n_new))
-    hidden, _, cache = forward(config, params, prompt_ids, prompt_mask,
-                               positions=position_ids_from_mask(prompt_mask), cache=cache,
-                               cache_index=0, cache_mask=cache_mask, with_head=False)
-    cache = constrain_cache(cache)
-    first_logits = lm_head_logits(config, params, hidden[:, -1:])[:, 0]  # [B, V]
+    g = _prefill_group(batch, samples_per_prompt, mesh, axis_rules)
+
+    def first_of_groups(x):  # [B, ...] -> [B / g, ...]: the first row of each group
+        return x if g == 1 else x.reshape((batch // g, g) + x.shape[1:])[:, 0]
+
+    def to_groups(x):  # [B / g, ...] -> [B, ...]: each row copied to its group
+        return x if g == 1 else jnp.repeat(x, g, axis=0)
+
+    prefill_ids, prefill_mask = first_of_groups(prompt_ids), first_of_groups(prompt_mask)
+    if g > 1 and mesh is not None:
+        prefill_ids, prefill_mask = (constrain(x, ("batch", None))
+                                     for x in (prefill_ids, prefill_mask))
+    cache = constrain_cache(init_kv_cache(config, batch // g, prompt_len + n_new,
+                                          per_layer=True))
+    hidden, _, cache = forward(config, params, prefill_ids, prefill_mask,
+                               positions=position_ids_from_mask(prefill_mask), cache=cache,
+                               cache_index=0, cache_mask=first_of_groups(cache_mask),
+                               with_head=False)
+    cache = constrain_cache(KVCache(tuple(map(to_groups, cache.k)),
+                                    tuple(map(to_groups, cache.v))))
+    first_logits = to_groups(head(hidden[:, -1:]))  # [B, W]
     done0 = jnp.zeros((batch,), bool)
     tok0, lp0, done0 = pick(first_logits, 0, done0)
 
@@ -299,9 +402,9 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
                                    cache_index=prompt_len + step - 1, cache_mask=cache_mask,
                                    with_head=False)
         cache = constrain_cache(cache)
-        logits = lm_head_logits(config, params, hidden)[:, 0]
+        logits = head(hidden)
         tok, lp, done = pick(logits, step, done)
-        out = (tok, lp, logits) if return_logits else (tok, lp)
+        out = (tok, lp, logits[:, :config.vocab_size]) if return_logits else (tok, lp)
         return (cache, tok, done), out
 
     if n_new > 1:
@@ -313,9 +416,26 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
     tokens = jnp.concatenate([tok0[:, None], outs[0].T], axis=1)
     logprobs = jnp.concatenate([lp0[:, None], outs[1].T], axis=1)
     if return_logits:
-        logits = jnp.concatenate([first_logits[:, None], jnp.swapaxes(outs[2], 0, 1)], axis=1)
+        logits = jnp.concatenate([first_logits[:, None, :config.vocab_size],
+                                  jnp.swapaxes(outs[2], 0, 1)], axis=1)
         return tokens, logprobs, logits
     return tokens, logprobs
+
+
+def _prefill_group(batch: int, samples_per_prompt: int, mesh: Optional[Mesh],
+                   axis_rules: Mapping[str, Any]) -> int:
+    """How many rows share one prefill: samples_per_prompt, or 1 where that cannot be
+    done locally (B / G rows not split evenly over the mesh's batch devices)."""
+    g = int(samples_per_prompt)
+    if g < 1 or batch % g:
+        raise ValueError(f"samples_per_prompt={samples_per_prompt} must be a positive divisor "
+                         f"of the batch ({batch} rows)")
+    if g > 1 and mesh is not None:
+        try:
+            sharding.spec_for("prefill rows", (batch // g,), ("batch",), mesh, axis_rules)
+        except sharding.ShardingError:
+            return 1
+    return g
 
 
 # ------------------------------------------------------------------ jitted entry
@@ -332,12 +452,13 @@ def make_generate_fn(config: ModelConfig, mesh: Optional[Mesh] = None, *,
         and outputs are batch-sharded, the key is replicated.
       **static_options: keyword options of `generate` (max_new_tokens, temperature,
         top_k, top_p, top_p_mode, greedy, stop_token, min_new_tokens, pad_token_id,
-        return_logits).
+        return_logits, samples_per_prompt).
 
     Returns:
       The jitted function (compiles once per prompt shape).
     """
-    SamplingOptions(**{k: v for k, v in static_options.items() if k != "return_logits"})
+    SamplingOptions(**{k: v for k, v in static_options.items()
+                       if k not in ("return_logits", "samples_per_prompt")})
     fn = functools.partial(generate, config, mesh=mesh, axis_rules=axis_rules,
                            **static_options)
     if mesh is None:

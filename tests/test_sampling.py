@@ -332,11 +332,11 @@ def test_cache_is_sharded_on_the_mesh(tiny_model):
     fn = sampling.make_generate_fn(config, mesh, max_new_tokens=3)
     compiled = fn.lower(sharded, jnp.asarray(ids), jnp.asarray(mask),
                         jax.random.PRNGKey(0)).compile().as_text()
-    # cache [layers, batch, kv_heads, length, head_dim] = [2, 8, 2, 10, 8]; batch over
-    # fsdp (4) and kv heads over tensor (2) leave [2, 2, 1, 10, 8] per device. (Without
-    # the constraint XLA keeps the batch whole: [2, 8, 1, 10, 8].)
-    cache_shapes = set(re.findall(r"f32\[2,\d+,\d+,10,8\]", compiled))
-    assert cache_shapes == {"f32[2,2,1,10,8]"}, cache_shapes
+    # one buffer per layer [batch, kv_heads, length, head_dim] = [8, 2, 10, 8]; batch over
+    # fsdp (4) and kv heads over tensor (2) leave [2, 1, 10, 8] per device. (Without
+    # the constraint XLA keeps the batch whole: [8, 1, 10, 8].)
+    cache_shapes = set(re.findall(r"f32\[\d+,\d+,10,8\]", compiled))
+    assert cache_shapes == {"f32[2,1,10,8]"}, cache_shapes
 
 
 def test_head_only_on_the_last_prompt_position(tiny_model):
@@ -365,3 +365,97 @@ def test_top_p_conventions(top_p, mode, kept):
     order = np.argsort(-probs[0])
     assert np.isfinite(filtered[0, order[:kept]]).all()
     assert np.isneginf(filtered[0, order[kept:]]).all()
+
+
+def _grouped_prompts(groups=4, g=3):
+    """Each of `groups` prompts repeated g times in contiguous rows."""
+    ids, mask = _prompts(PROMPT_LENS[:groups])
+    return np.repeat(ids, g, axis=0), np.repeat(mask, g, axis=0)
+
+
+def test_one_prefill_per_prompt_samples_as_prefilling_every_row(tiny_model):
+    """samples_per_prompt=G prefills the first row of each group and copies its cache:
+    the same tokens and log-probs as prefilling every row, and the other rows'
+    prompt ids are not read."""
+    _, _, config, params = tiny_model("gpt2")
+    ids, mask = _grouped_prompts()
+    every_row = _gen(config, params, ids, mask, key=3, max_new_tokens=6, temperature=0.8)
+    shared = _gen(config, params, ids, mask, key=3, max_new_tokens=6, temperature=0.8,
+                  samples_per_prompt=3)
+    np.testing.assert_array_equal(shared[0], every_row[0])
+    np.testing.assert_allclose(shared[1], every_row[1], rtol=1e-5, atol=1e-5)
+    scrambled = ids.copy()
+    scrambled.reshape(4, 3, -1)[:, 1:] = 7  # rows 1.. of each group: never read
+    again = _gen(config, params, scrambled, mask, key=3, max_new_tokens=6, temperature=0.8,
+                 samples_per_prompt=3)
+    np.testing.assert_array_equal(again[0], shared[0])
+    np.testing.assert_array_equal(again[1], shared[1])
+    # The group's samples differ from each other (each row draws its own numbers).
+    assert len({tuple(r) for r in shared[0][:3]}) > 1
+    with pytest.raises(ValueError, match="samples_per_prompt=5 must be a positive divisor"):
+        _gen(config, params, ids, mask, max_new_tokens=2, samples_per_prompt=5)
+
+
+def test_one_prefill_per_prompt_on_a_mesh(tiny_model):
+    """On a mesh: groups split evenly over the batch devices share a prefill; when
+    B / G prompts do not split evenly, every row is prefilled. Both sample what one
+    device samples."""
+    _, path, config, _ = tiny_model("llama")
+    ids, mask = _grouped_prompts(groups=4, g=2)  # 8 rows, 4 prompts
+    _, params = load_pretrained(path)
+    single = _gen(config, params, ids, mask, key=5, max_new_tokens=4, samples_per_prompt=2)
+    for fsdp, tensor in ((4, 2), (8, 1)):  # 4 prompts over 4 devices: shared; 8: every row
+        mesh = sharding.make_mesh(fsdp=fsdp, tensor=tensor)
+        _, sharded = load_pretrained(path, mesh=mesh)
+        fn = sampling.make_generate_fn(config, mesh, max_new_tokens=4, samples_per_prompt=2)
+        tokens, logprobs = fn(sharded, jnp.asarray(ids), jnp.asarray(mask),
+                              jax.random.PRNGKey(5))
+        np.testing.assert_array_equal(np.asarray(tokens), single[0])
+        np.testing.assert_allclose(np.asarray(logprobs), single[1], rtol=1e-5, atol=1e-5)
+    assert sampling._prefill_group(8, 2, sharding.make_mesh(fsdp=4, tensor=2),
+                                   sharding.DEFAULT_AXIS_RULES) == 2
+    assert sampling._prefill_group(8, 2, sharding.make_mesh(fsdp=8),
+                                   sharding.DEFAULT_AXIS_RULES) == 1
+
+
+def test_padded_logits_sample_like_the_vocabulary():
+    """Logits padded to a multiple of the block (as the sampler's LM head pads them) draw
+    the same tokens with the same log-probs, whatever the padding holds."""
+    vocab, block = 1000, 256  # 4 blocks, the last with 24 real tokens
+    logits = jax.random.normal(jax.random.PRNGKey(0), (64, vocab)) * 3.0
+    for pad_value in (0.0, 50.0, -50.0):
+        padded = jnp.pad(logits, ((0, 0), (0, 1024 - vocab)), constant_values=pad_value)
+        for key in range(3):
+            k = jax.random.PRNGKey(key)
+            want = sampling.sample_from_logits(logits, k, temperature=0.7, block_size=block)
+            got = sampling.sample_from_logits(padded, k, temperature=0.7, block_size=block,
+                                              vocab_size=vocab)
+            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+            np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6,
+                                       atol=1e-6)
+            assert int(jnp.max(got[0])) < vocab
+    # Tokens in the short last block are drawn too.
+    last = jnp.full((4, vocab), -30.0).at[:, vocab - 3].set(10.0)
+    padded = jnp.pad(last, ((0, 0), (0, 24)), constant_values=20.0)
+    tokens, _ = sampling.sample_from_logits(padded, jax.random.PRNGKey(1), block_size=block,
+                                            vocab_size=vocab)
+    np.testing.assert_array_equal(np.asarray(tokens), vocab - 3)
+    with pytest.raises(ValueError, match="logits have 1010 columns"):
+        sampling.sample_from_logits(jnp.zeros((2, 1010)), jax.random.PRNGKey(0),
+                                    block_size=block, vocab_size=vocab)
+
+
+def test_decode_loop_does_not_copy_the_cache(tiny_model):
+    """Each layer's cache buffer is updated in place in the decode loop: the compiled
+    program holds no copy of a cache-shaped buffer (on CPU, copying the cache every
+    step cost more than the rest of a one-token step)."""
+    _, _, config, params = tiny_model("gpt2")
+    ids, mask = _prompts()
+    fn = sampling.make_generate_fn(config, max_new_tokens=4)
+    compiled = fn.lower(params, jnp.asarray(ids), jnp.asarray(mask),
+                        jax.random.PRNGKey(0)).compile().as_text()
+    shape = f"f32[{ids.shape[0]},{config.n_kv_heads},{ids.shape[1] + 4},{config.head_dim}]"
+    assert shape in compiled
+    copies = [line for line in compiled.splitlines()
+              if re.search(r"= " + re.escape(shape) + r"\{[^}]*\} copy\(", line)]
+    assert not copies, copies

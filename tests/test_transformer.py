@@ -135,3 +135,45 @@ def test_sliced_forward_flops_match_xla_cost_analysis():
     assert ours_part == pytest.approx(part, rel=0.05)
     assert ours_full - ours_part == pytest.approx(full - part, rel=0.05)
     assert part < 0.85 * full
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+def test_per_layer_cache_matches_the_stacked_cache(variant):
+    """Prefill then two one-token steps: the per-layer layout (unrolled layers that write
+    their own buffer before reading it) gives the stacked layout's hidden states and
+    cache contents, and the uncached forward's hidden states."""
+    config = _config(variant)
+    params = transformer.init_params(config, jax.random.PRNGKey(1))
+    ids, mask = _inputs()
+    prompt, total = SEQ - 2, SEQ
+    cache_mask = jnp.concatenate([mask[:, :prompt], jnp.ones((BATCH, 2), bool)], axis=1)
+    positions = transformer.position_ids_from_mask(mask)
+
+    def run(per_layer):
+        @jax.jit
+        def steps(params, ids):
+            cache = transformer.init_kv_cache(config, BATCH, total, per_layer=per_layer)
+            hs = []
+            for start, stop in ((0, prompt), (prompt, prompt + 1), (prompt + 1, total)):
+                h, _, cache = transformer.forward(
+                    config, params, ids[:, start:stop], mask[:, start:stop],
+                    positions=positions[:, start:stop], cache=cache, cache_index=start,
+                    cache_mask=cache_mask, with_head=False)
+                hs.append(h)
+            return jnp.concatenate(hs, axis=1), cache
+        return steps(params, ids)
+
+    stacked_h, stacked = run(False)
+    layered_h, layered = run(True)
+    assert layered.per_layer and not stacked.per_layer
+    assert len(layered.k) == config.n_layers and layered.k[0].shape == stacked.k.shape[1:]
+    real = np.asarray(mask)  # padding positions' outputs are never read
+    np.testing.assert_allclose(np.asarray(layered_h)[real], np.asarray(stacked_h)[real],
+                               rtol=1e-5, atol=1e-5)
+    slots = np.asarray(cache_mask)[None, :, None, :, None]  # [L, B, KV, S, hd]
+    for got, want in ((layered.k, stacked.k), (layered.v, stacked.v)):
+        np.testing.assert_allclose(np.where(slots, np.stack(got), 0),
+                                   np.where(slots, np.asarray(want), 0), rtol=1e-5, atol=1e-6)
+    full = transformer.hidden_states(config, params, ids, mask)
+    np.testing.assert_allclose(np.asarray(layered_h)[real], np.asarray(full)[real], rtol=1e-4,
+                               atol=1e-4)

@@ -23,7 +23,7 @@ Biases exist only where the architecture has them (ModelConfig.*_bias).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import haiku as hk
 import jax
@@ -38,18 +38,36 @@ _MASK_VALUE = -1e30
 
 
 class KVCache(NamedTuple):
-    """Per-layer keys and values: k, v [n_layers, batch, n_kv_heads, max_len, head_dim].
+    """Per-layer keys and values, in one of two layouts:
+
+    - stacked: k, v [n_layers, batch, n_kv_heads, max_len, head_dim] arrays; the
+      layers run as a scan that slices each layer's cache out of the stack;
+    - per layer: k, v tuples of n_layers arrays [batch, n_kv_heads, max_len, head_dim];
+      the layers are unrolled and each reads and updates its own buffer in place.
+      This is the decode layout: slicing a layer out of the stack copies it, which
+      costs more than the rest of a one-token step on CPU.
 
     Heads before length, so attention reads the cache without a transpose.
     """
-    k: jax.Array
-    v: jax.Array
+    k: Any
+    v: Any
+
+    @property
+    def per_layer(self) -> bool:
+        """True for the per-layer layout (tuples of arrays)."""
+        return isinstance(self.k, (tuple, list))
 
 
-def init_kv_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """An all-zero cache for `batch` rows of up to `max_len` tokens (compute dtype)."""
+def init_kv_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, *,
+                  per_layer: bool = False) -> KVCache:
+    """An all-zero cache for `batch` rows of up to `max_len` tokens (compute dtype);
+    stacked, or with per_layer=True one buffer per layer (see KVCache)."""
     dtype = dtype or config.compute_dtype
-    shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
+    shape = (batch, config.n_kv_heads, max_len, config.head_dim)
+    if per_layer:
+        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
+                       tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)))
+    shape = (config.n_layers,) + shape
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -118,13 +136,20 @@ def _attention_bias(allowed: jax.Array) -> jax.Array:
     return jnp.where(allowed, 0.0, _MASK_VALUE).astype(jnp.float32)[:, None, None]
 
 
-def _attention_biases(attention_mask, key_mask, cache_index, with_cache):
+def _attention_biases(attention_mask, key_mask, cache_index, with_cache,
+                      write_first=False):
     """(bias over the new tokens [B,1,1,T,T], bias over the cache slots [B,1,1,T,S] or None).
 
     New tokens see earlier new tokens (causal) that are real; with a cache they
     also see every real slot before cache_index (the slots being written now are
     handled by the new-token part, so stale cache contents are never read).
+    With write_first (the per-layer cache, written before it is read): (None, bias
+    over all S slots), new token t seeing every real slot up to cache_index + t.
     """
+    if write_first:
+        t, s = attention_mask.shape[1], key_mask.shape[1]
+        upto = jnp.arange(s)[None, :] <= cache_index + jnp.arange(t)[:, None]  # [T, S]
+        return None, _attention_bias(upto[None] & key_mask.astype(bool)[:, None, :])
     t = attention_mask.shape[1]
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
     new = _attention_bias(causal[None] & attention_mask[:, None, :].astype(bool))
@@ -139,12 +164,17 @@ def _attention(config, x, positions, biases, cache_kv, query=None):
     """Causal self-attention of the new tokens x over themselves and the cache.
 
     x: [B, T, D]; positions int [B, T]; biases from `_attention_biases`;
-    cache_kv: None or (k, v) [B, KV, S, hd], read only.
+    cache_kv: None; or (k, v) [B, KV, S, hd], read only (a stacked cache's layer);
+      or (k, v, cache_index): this layer's own buffers (the per-layer cache), into
+      which the new tokens' keys and values are written at slots cache_index..
+      before attention reads them (no copy of the buffers: each is read only after
+      its update). biases[1] then covers all S slots (`_attention_biases`).
     query: None, or a static (start, stop): only positions start..stop-1 are queries
       (keys and values still come from all T positions). No cache then.
-    Returns y [B, T', D] (T' = T, or stop - start) and the new tokens' (k, v)
-    [B, T, KV, hd] (the caller writes them into the cache once for all layers,
-    instead of copying the cache per layer).
+    Returns y [B, T', D] (T' = T, or stop - start) and: the new tokens' (k, v)
+    [B, T, KV, hd] (the caller writes them into a stacked cache once for all
+    layers, instead of copying the cache per layer); or with a layer's own buffers,
+    the updated buffers.
     """
     c, dtype = config, x.dtype
     h, kv, hd = c.n_heads, c.n_kv_heads, c.head_dim
@@ -160,12 +190,27 @@ def _attention(config, x, positions, biases, cache_kv, query=None):
             bias_new = bias_new[..., start:stop, :]
         b, t = q.shape[:2]
         qg = (q * jnp.asarray(hd ** -0.5, dtype)).reshape(b, t, kv, h // kv, hd)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
-                            preferred_element_type=jnp.float32) + bias_new
-        if cache_kv is None:
+        new_kv = (k, v)
+        if cache_kv is not None and len(cache_kv) == 3:  # a layer's own buffers: write, read
+            ck, cv, index = cache_kv
+
+            def write(buf, new):  # new [B, T, KV, hd] -> slots index.. of buf
+                return jax.lax.dynamic_update_slice(
+                    buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), (0, 0, index, 0))
+            ck, cv = write(ck, k), write(cv, v)
+            scores = jnp.einsum("btkgd,bksd->bkgts", qg, ck.astype(dtype),
+                                preferred_element_type=jnp.float32) + bias_cache
+            probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+            out = jnp.einsum("bkgts,bksd->btkgd", probs, cv.astype(dtype))
+            new_kv = (ck, cv)
+        elif cache_kv is None:
+            scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
+                                preferred_element_type=jnp.float32) + bias_new
             probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
             out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
         else:
+            scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
+                                preferred_element_type=jnp.float32) + bias_new
             ck, cv = cache_kv
             cached = jnp.einsum("btkgd,bksd->bkgts", qg, ck.astype(dtype),
                                 preferred_element_type=jnp.float32) + bias_cache
@@ -176,7 +221,7 @@ def _attention(config, x, positions, biases, cache_kv, query=None):
                    + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v))
         y = _dense(out.reshape(b, t, h, hd), "o", [h, hd], [c.d_model], c.attn_out_bias,
                    dtype, contract=2)
-    return y, (k, v)
+    return y, new_kv
 
 
 def _mlp(config, x):
@@ -231,7 +276,9 @@ def _stacked_layers(config, block, x, per_layer, last_layer_query=None):
     (the paths of the module docstring). Layers run as a `lax.scan`
     (config.scan_unroll layers per step), each under the remat policy.
 
-    per_layer: a tuple of arrays with a leading n_layers axis, sliced per layer.
+    per_layer: a tuple of arrays with a leading n_layers axis, sliced per layer; or a
+      tuple of n_layers-long tuples of arrays, one per layer: the layers are then
+      unrolled (no slicing of the inputs) and the outputs come back as tuples too.
     last_layer_query: None, or a static (start, stop) passed to the last layer only,
       which then computes only those positions; the layers before it still compute
       all of them (the last layer's keys and values need them).
@@ -247,10 +294,21 @@ def _stacked_layers(config, block, x, per_layer, last_layer_query=None):
         keys = jax.random.split(rng, c.n_layers)
         return jax.vmap(lambda key: layer.init(key, x, *first))(keys)
 
+    unrolled = bool(per_layer) and isinstance(per_layer[0], (tuple, list))
+    if unrolled:
+        per_layer_lists, per_layer = per_layer, tuple(inp[0][None] for inp in per_layer)
     params = hk.lift(init_stacked, name="layers")(x, hk.maybe_next_rng_key())
 
     def apply(p, x, *inputs, **kwargs):
         return layer.apply(p, None, x, *inputs, **kwargs)
+
+    if unrolled:
+        outputs = []
+        for i in range(c.n_layers):
+            x, out = _checkpointed(c, apply)(jax.tree.map(lambda a: a[i], params), x,
+                                             *(inp[i] for inp in per_layer_lists))
+            outputs.append(out)
+        return x, tuple(tuple(o) for o in zip(*outputs))
 
     def step(x, scanned):
         p, inputs = scanned
@@ -299,7 +357,9 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
                              hk.initializers.RandomNormal(0.01))
             x = x + jnp.take(pos, positions, axis=0).astype(dtype)
 
-        biases = _attention_biases(attention_mask, key_mask, cache_index, cache is not None)
+        per_layer_cache = cache is not None and cache.per_layer
+        biases = _attention_biases(attention_mask, key_mask, cache_index, cache is not None,
+                                   write_first=per_layer_cache)
         if cache is None:
             def layer(x, query=None):
                 return _block(c, x, positions, biases, None, query)[0], None
@@ -309,16 +369,20 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
             if output_slice is not None:
                 raise ValueError("output_slice is for full forwards (no cache)")
 
-            def layer(x, ck, cv):
-                return _block(c, x, positions, biases, (ck, cv))
+            if per_layer_cache:  # each layer updates its own buffers (unrolled layers)
+                def layer(x, ck, cv):
+                    return _block(c, x, positions, biases, (ck, cv, cache_index))
+            else:
+                def layer(x, ck, cv):
+                    return _block(c, x, positions, biases, (ck, cv))
             x, (ks, vs) = _stacked_layers(c, layer, x, (cache.k, cache.v))
-            # One in-place write of all layers' new entries (the cache is read-only above).
-            at = (0, 0, 0, cache_index, 0)
-
-            def write(buf, new):  # new: [L, B, T, KV, hd] -> slots cache_index.. of buf
-                return jax.lax.dynamic_update_slice(buf, jnp.swapaxes(new, 2, 3).astype(buf.dtype),
-                                                    at)
-            new_cache = KVCache(write(cache.k, ks), write(cache.v, vs))
+            if per_layer_cache:
+                new_cache = KVCache(ks, vs)
+            else:  # one in-place write of all layers' new entries (read-only above)
+                def write(buf, new):  # new: [L, B, T, KV, hd] -> slots cache_index.. of buf
+                    return jax.lax.dynamic_update_slice(
+                        buf, jnp.swapaxes(new, 2, 3).astype(buf.dtype), (0, 0, 0, cache_index, 0))
+                new_cache = KVCache(write(cache.k, ks), write(cache.v, vs))
         x = _norm(c, x, "ln_f")
     return x, new_cache, emb
 
@@ -378,7 +442,8 @@ def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
       attention_mask: bool/int [B, T]; False marks padding.
       positions: int32 [B, T]; default: exclusive cumsum of attention_mask (so left
         padding does not shift positions). Required with a cache after prefill.
-      cache: optional KVCache; x[:, t] is written to slot cache_index + t.
+      cache: optional KVCache (stacked or per-layer layout, returned in the same
+        layout); x[:, t] is written to slot cache_index + t.
       cache_index: int32 scalar, the slot of the first input token.
       cache_mask: bool [B, S] over all cache slots (which slots hold real tokens,
         including the ones being written). Required with a cache.

@@ -100,19 +100,23 @@ def collect(cfg: PPOConfig, models: PPOModels, params, frozen, query: jax.Array,
     micro = cfg.rollout_micro_batch_size
     if micro in (0, cfg.batch_size):
         experience, found = _collect_rows(cfg, models, params, frozen, query, query_mask, key,
-                                          mesh)
+                                          mesh, group=cfg.samples_per_prompt)
     else:
         devices, n = batch_devices(mesh), cfg.batch_size // micro
         if micro % devices:
             raise ValueError(f"ppo.rollout_micro_batch_size={micro} cannot be split evenly over "
                              f"the mesh's {devices} batch devices (mesh.data x mesh.fsdp)")
 
+        # A micro-batch holds whole groups (one prefill per prompt) when each device's
+        # share of it does.
+        group = cfg.samples_per_prompt if (micro // devices) % cfg.samples_per_prompt == 0 else 1
+
         def one(chunk):
             q, qm, rows = chunk
             if mesh is not None:
                 q, qm = (sharding.constrain(x, mesh, ("batch", None)) for x in (q, qm))
             return _collect_rows(cfg, models, params, frozen, q, qm, key, mesh,
-                                 row_ids=rows, total_rows=cfg.batch_size)
+                                 row_ids=rows, total_rows=cfg.batch_size, group=group)
 
         rows = jnp.arange(cfg.batch_size, dtype=jnp.int32)
         chunks = tuple(to_micro_batches(x, n, devices) for x in (query, query_mask, rows))
@@ -139,17 +143,19 @@ def collect(cfg: PPOConfig, models: PPOModels, params, frozen, query: jax.Array,
 
 def _collect_rows(cfg: PPOConfig, models: PPOModels, params, frozen, query: jax.Array,
                   query_mask: jax.Array, key: jax.Array, mesh=None, row_ids=None,
-                  total_rows=None) -> Tuple[Experience, jax.Array]:
+                  total_rows=None, group: int = 1) -> Tuple[Experience, jax.Array]:
     """Sampling and scoring of already repeated prompts [b, Q]: (Experience of b rows,
     bool [b] whether each response has a stop token). row_ids / total_rows: see
-    `sampling.generate` (a micro-batch of the whole batch)."""
+    `sampling.generate` (a micro-batch of the whole batch); group: contiguous rows
+    that share a prompt (`samples_per_prompt` of `sampling.generate`: one prefill
+    per prompt)."""
     estimator = estimators.get(cfg.advantage_estimator)
     opts = cfg.sampling_options()
     response, sample_logprobs = sampling.generate(
         models.policy, params["policy"], query, query_mask, key,
         max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
         top_p=opts.top_p, top_p_mode=opts.top_p_mode, mesh=mesh, row_ids=row_ids,
-        total_rows=total_rows)
+        total_rows=total_rows, samples_per_prompt=group)
 
     if not estimator.uses_critic:
         values = None
