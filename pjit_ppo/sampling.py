@@ -260,14 +260,9 @@ def _padded_lm_head(config: ModelConfig, params, block: int):
     w, b, vocab_major = lm_head_weights(config, params)
     extra = width - vocab
     w = jnp.pad(w, ((0, extra), (0, 0)) if vocab_major else ((0, 0), (0, extra)))
-    b = None if b is None else jnp.pad(b, (0, extra))
-    spec = "btd,vd->btv" if vocab_major else "btd,dv->btv"
-
-    def head(hidden):
-        logits = jnp.einsum(spec, hidden, w.astype(hidden.dtype),
-                            preferred_element_type=jnp.float32)[:, 0]
-        return logits if b is None else logits + b
-    return head
+    padded = ({"transformer/embed": {"embeddings": w}} if vocab_major
+              else {"lm_head": {"w": w} if b is None else {"w": w, "b": jnp.pad(b, (0, extra))}})
+    return lambda hidden: lm_head_logits(config, padded, hidden)[:, 0]
 
 
 # ------------------------------------------------------------------ the loop
