@@ -1,17 +1,18 @@
 """KV-cache sampler for left-padded prompts.
 
-`generate` runs one prefill of the prompt into a preallocated KV cache, then a
-`lax.scan` over the new tokens that feeds one token per step; nothing leaves the
-device and every Python-level option is static, so it traces inside a larger
-jit (the PPO rollout) and compiles once per shape. The decode loop's cache has one
-buffer per layer (KVCache's per-layer layout, layers unrolled), which each step
-updates in place before reading it: a stacked [L, ...] cache is copied when a layer
-is sliced out of it, which on CPU cost more than the rest of a step. The prefill
-still scans the layers over a stacked cache of the prompt slots (unrolled, XLA
-keeps several layers' gathered weights and activations alive at once), whose
-entries are then copied once into the per-layer buffers. With
-`samples_per_prompt=G` (the PPO rollout's groups) each prompt is prefilled once and
-its entries copied to its G rows.
+`generate` runs one prefill of the prompt into a KV cache, then a `lax.scan` over
+the new tokens that feeds one token per step; nothing leaves the device and every
+Python-level option is static, so it traces inside a larger jit (the PPO rollout)
+and compiles once per shape. The prefill scans the layers over a stacked cache of
+the prompt slots (unrolled, XLA keeps several layers' gathered weights and
+activations alive at once). The decode loop reads those prompt entries in place as
+the prefix of a `PrefixKVCache` and keeps, per layer, one buffer for each row's
+generated tokens, which each step updates in place before reading it (a stacked
+[L, ...] cache is copied when a layer is sliced out of it, which on CPU cost more
+than the rest of a step). With `samples_per_prompt=G` (the PPO rollout's groups)
+each prompt is prefilled once and its G rows share its prefix entries: attention
+reads a prompt's keys and values once for the group instead of once per row, and
+they are never copied per row.
 
 Log-probabilities. `generate` returns, for every sampled token, its log-prob
 under ``log_softmax(logits / temperature)``: the temperature-scaled but
@@ -52,8 +53,8 @@ from jax.sharding import Mesh
 from pjit_ppo import sharding
 from pjit_ppo.config import SamplingOptions
 from pjit_ppo.models.config import ModelConfig
-from pjit_ppo.models.transformer import (KVCache, forward, init_kv_cache, lm_head_logits,
-                                         lm_head_weights, param_shapes)
+from pjit_ppo.models.transformer import (KVCache, PrefixKVCache, forward, init_kv_cache,
+                                         lm_head_logits, lm_head_weights, param_shapes)
 from pjit_ppo.padding import position_ids_from_mask
 
 __all__ = ["SamplingOptions", "generate", "make_generate_fn", "sample_from_logits",
@@ -63,7 +64,7 @@ __all__ = ["SamplingOptions", "generate", "make_generate_fn", "sample_from_logit
 BLOCK_SIZE = 256
 
 # Logical axes of one layer's KV cache buffer [batch, n_kv_heads, max_len, head_dim]
-# (the sampler keeps one buffer per layer: KVCache's per-layer layout).
+# (the decode loop's prefix buffers [B / G, ...] and own buffers [B, ...] alike).
 CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
@@ -130,14 +131,21 @@ def _search(cdf: jax.Array, u: jax.Array, weights: jax.Array) -> jax.Array:
 
 def _blocks(x: jax.Array, vocab: int, block: int, reduce, per_block) -> jax.Array:
     """Per-block reductions over the real tokens of x [B, W] (W a multiple of block):
-    reduce(per_block(x) [B, n, block], axis=-1) -> [B, n], n = ceil(vocab / block).
+    reduce(per_block(x) [B, n, block], axis=-1) -> [B, n], n = ceil(vocab / block);
+    reduce is jnp.max or jnp.sum.
 
-    One pass over the blocked view (a reshape, no copy); the block that holds the
-    last real token is redone from its real columns only when padding follows them.
+    One pass over the blocked view; the block that holds the last real token is redone
+    from its real columns only when padding follows them. Sums go through a
+    reduce_window: XLA:CPU otherwise hands the fused exp-and-sum to a library fusion
+    that ran 3-4x slower than its own loop (see docs/performance.md).
     """
     batch, width = x.shape
     n = -(-vocab // block)
-    out = reduce(per_block(x).reshape(batch, width // block, block), axis=-1)[:, :n]
+    if reduce is jnp.sum:
+        out = jax.lax.reduce_window(per_block(x), jnp.zeros((), x.dtype), jax.lax.add,
+                                    (1, block), (1, block), "VALID")[:, :n]
+    else:
+        out = reduce(per_block(x).reshape(batch, width // block, block), axis=-1)[:, :n]
     if n * block > vocab:
         last = reduce(per_block(x[:, (n - 1) * block:vocab]), axis=-1, keepdims=True)
         out = jnp.concatenate([out[:, :n - 1], last], axis=-1)
@@ -314,11 +322,12 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         the random numbers it would draw in the whole batch (same tokens).
       samples_per_prompt: G (static). With G > 1 the rows come in contiguous groups of
         G copies of one prompt (as the PPO rollout lays them out): the prefill then
-        runs on the first row of each group only and its KV cache and first logits
-        are copied to the group's other rows (a G-fold smaller prefill; the other
-        rows' prompt_ids are not read). Same samples as prefilling every row, up to
-        the rounding of a matmul over fewer rows. With a mesh whose batch devices do
-        not divide B / G, every row is prefilled (no data moves between devices).
+        runs on the first row of each group only, the group's rows share its KV
+        entries as the decode loop's prefix (a PrefixKVCache) and its first logits are
+        copied to them (a G-fold smaller prefill; the other rows' prompt_ids are not
+        read). Same samples as prefilling every row, up to the rounding of a matmul
+        over fewer rows. With a mesh whose batch devices do not divide B / G, every
+        row is prefilled (no data moves between devices).
 
     Returns:
       tokens int32 [B, max_new_tokens]; logprobs float32 [B, max_new_tokens]
@@ -343,8 +352,8 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         return x if mesh is None else sharding.constrain(x, mesh, axes, axis_rules)
 
     def constrain_cache(cache):
-        return KVCache(tuple(constrain(k, CACHE_AXES) for k in cache.k),
-                       tuple(constrain(v, CACHE_AXES) for v in cache.v))
+        return PrefixKVCache(*(tuple(constrain(x, CACHE_AXES) for x in part)
+                               for part in cache))
 
     head = _padded_lm_head(config, params, BLOCK_SIZE)  # [B, 1, D] -> [B, W], W >= V
 
@@ -363,9 +372,6 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         done = done | ((tok == opts.stop_token) & (step >= min_new))
         return tok, lp, done
 
-    # Every slot after the prompt will hold a real token; causal masking hides
-    # the ones not written yet, so the key mask is fixed for the whole loop.
-    cache_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, n_new), bool)], axis=1)
     n_real = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # [B]
 
     g = _prefill_group(batch, samples_per_prompt, mesh, axis_rules)
@@ -381,9 +387,10 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         prefill_ids, prefill_mask = (constrain(x, ("batch", None))
                                      for x in (prefill_ids, prefill_mask))
     # The prefill scans the layers over a stacked cache of the prompt slots (one layer's
-    # weights and activations live at a time, as in any full forward); its entries are
-    # then copied once into the decode loop's per-layer buffers, each row of a group
-    # getting its prompt's.
+    # weights and activations live at a time, as in any full forward). The decode loop
+    # reads each layer's entries as the prefix its group shares, and writes the
+    # generated tokens' entries into per-row buffers (token i goes to own slot i - 1; the
+    # last token is never fed back).
     prefill_cache = init_kv_cache(config, batch // g, prompt_len)
     if mesh is not None:
         prefill_cache = KVCache(*(constrain(x, ("layers",) + CACHE_AXES) for x in prefill_cache))
@@ -391,12 +398,10 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
                                        positions=position_ids_from_mask(prefill_mask),
                                        cache=prefill_cache, cache_index=0,
                                        cache_mask=prefill_mask, with_head=False)
-
-    def decode_buffers(stacked):  # [L, B / g, KV, P, hd] -> L x [B, KV, P + n_new, hd]
-        return tuple(to_groups(jnp.pad(stacked[i], ((0, 0), (0, 0), (0, n_new), (0, 0))))
-                     for i in range(config.n_layers))
-    cache = constrain_cache(KVCache(decode_buffers(prefill_cache.k),
-                                    decode_buffers(prefill_cache.v)))
+    own = init_kv_cache(config, batch, max(n_new - 1, 1), per_layer=True)
+    cache = constrain_cache(PrefixKVCache(
+        tuple(prefill_cache.k[i] for i in range(config.n_layers)),
+        tuple(prefill_cache.v[i] for i in range(config.n_layers)), own.k, own.v))
     first_logits = to_groups(head(hidden[:, -1:]))  # [B, W]
     done0 = jnp.zeros((batch,), bool)
     tok0, lp0, done0 = pick(first_logits, 0, done0)
@@ -409,10 +414,10 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         # (GPT-J's sampler, batch 64 on 8 devices: 4.85 GB of temporaries per device
         # without the barrier, 3.20 GB with it).
         step_params, prev = jax.lax.optimization_barrier((params, prev))
-        # `prev` is token step-1; it goes to slot P + step - 1 at position n + step - 1.
+        # `prev` is token step-1; it goes to own slot step - 1 at position n + step - 1.
         hidden, _, cache = forward(config, step_params, prev[:, None], jnp.ones((batch, 1), bool),
                                    positions=(n_real + step - 1)[:, None], cache=cache,
-                                   cache_index=prompt_len + step - 1, cache_mask=cache_mask,
+                                   cache_index=step - 1, cache_mask=prefill_mask,
                                    with_head=False)
         cache = constrain_cache(cache)
         logits = head(hidden)

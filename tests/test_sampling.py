@@ -332,11 +332,17 @@ def test_cache_is_sharded_on_the_mesh(tiny_model):
     fn = sampling.make_generate_fn(config, mesh, max_new_tokens=3)
     compiled = fn.lower(sharded, jnp.asarray(ids), jnp.asarray(mask),
                         jax.random.PRNGKey(0)).compile().as_text()
-    # one buffer per layer [batch, kv_heads, length, head_dim] = [8, 2, 10, 8]; batch over
-    # fsdp (4) and kv heads over tensor (2) leave [2, 1, 10, 8] per device. (Without
-    # the constraint XLA keeps the batch whole: [8, 1, 10, 8].)
-    cache_shapes = set(re.findall(r"f32\[\d+,\d+,10,8\]", compiled))
-    assert cache_shapes == {"f32[2,1,10,8]"}, cache_shapes
+    # The decode loop carries, per layer, the prompt entries [batch, kv_heads, prompt,
+    # head_dim] = [8, 2, 7, 8] and the generated tokens' [8, 2, 2, 8]; batch over fsdp
+    # (4) and kv heads over tensor (2) leave [2, 1, 7, 8] and [2, 1, 2, 8] per device.
+    # (Without the constraint XLA keeps the batch whole: [8, 1, ., 8].)
+    carried = [re.findall(r"f32\[[28],[12],[72],8\]", line.split(" while(")[0])
+               for line in compiled.splitlines() if " while(" in line]
+    decode = [shapes for shapes in carried if "f32[2,1,2,8]" in shapes]
+    assert len(decode) == 1, carried
+    n_layers = config.n_layers
+    want = ["f32[2,1,2,8]"] * 2 * n_layers + ["f32[2,1,7,8]"] * 2 * n_layers
+    assert sorted(decode[0]) == want, decode
 
 
 def test_head_only_on_the_last_prompt_position(tiny_model):
@@ -445,17 +451,50 @@ def test_padded_logits_sample_like_the_vocabulary():
                                     block_size=block, vocab_size=vocab)
 
 
-def test_decode_loop_does_not_copy_the_cache(tiny_model):
-    """Each layer's cache buffer is updated in place in the decode loop: the compiled
-    program holds no copy of a cache-shaped buffer (on CPU, copying the cache every
-    step cost more than the rest of a one-token step)."""
+def _loop_body_lines(hlo: str, carried_shape: str) -> list:
+    """The lines of the while loop whose carried tuple holds `carried_shape`, and of every
+    computation its body calls (fusions, nested loops), from compiled HLO text."""
+    computations, name = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+        if header:
+            name = header.group(1)
+            computations[name] = []
+        elif name is not None:
+            computations[name].append(line)
+    loops = [line for line in hlo.splitlines()
+             if " while(" in line and carried_shape in line.split(" while(")[0]]
+    assert len(loops) == 1, loops
+    todo, seen, lines = [re.search(r"body=%([\w.\-]+)", loops[0]).group(1)], set(), []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in computations[name]:
+            lines.append(line)
+            todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line)
+    return lines
+
+
+@pytest.mark.parametrize("samples_per_prompt", [1, 2])
+def test_decode_loop_does_not_copy_the_cache(tiny_model, samples_per_prompt):
+    """Each layer's buffer of generated tokens is updated in place in the decode loop,
+    and the prompt entries are read where they are: no step copies either (on CPU,
+    copying the cache every step cost more than the rest of a one-token step). With
+    G = 2 the prompt entries exist once per prompt, never per row."""
     _, _, config, params = tiny_model("gpt2")
     ids, mask = _prompts()
-    fn = sampling.make_generate_fn(config, max_new_tokens=4)
+    g = samples_per_prompt
+    fn = sampling.make_generate_fn(config, max_new_tokens=4, samples_per_prompt=g)
     compiled = fn.lower(params, jnp.asarray(ids), jnp.asarray(mask),
                         jax.random.PRNGKey(0)).compile().as_text()
-    shape = f"f32[{ids.shape[0]},{config.n_kv_heads},{ids.shape[1] + 4},{config.head_dim}]"
-    assert shape in compiled
-    copies = [line for line in compiled.splitlines()
+    b, p, kv, hd = ids.shape + (config.n_kv_heads, config.head_dim)
+    own, prefix = f"f32[{b},{kv},3,{hd}]", f"f32[{b // g},{kv},{p},{hd}]"
+    body = _loop_body_lines(compiled, own)
+    assert body and own in "\n".join(body) and prefix in "\n".join(body)
+    if g > 1:
+        assert f"f32[{b},{kv},{p},{hd}]" not in compiled
+    copies = [line for line in body for shape in (own, prefix)
               if re.search(r"= " + re.escape(shape) + r"\{[^}]*\} copy\(", line)]
     assert not copies, copies

@@ -177,3 +177,51 @@ def test_per_layer_cache_matches_the_stacked_cache(variant):
     full = transformer.hidden_states(config, params, ids, mask)
     np.testing.assert_allclose(np.asarray(layered_h)[real], np.asarray(full)[real], rtol=1e-4,
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefix_cache_matches_the_uncached_forward(variant, group):
+    """Groups of `group` rows share a prompt's entries (PrefixKVCache) and each row then
+    feeds two tokens of its own, one per step: every row's hidden states equal the
+    uncached forward of its prompt followed by its own tokens (llama: grouped-query
+    attention, 4 heads over 2 kv heads)."""
+    config = _config(variant)
+    params = transformer.init_params(config, jax.random.PRNGKey(1))
+    ids, mask = _inputs()  # BATCH prompts (left padded) ...
+    prompt = SEQ - 2
+    prompt_ids, prompt_mask = ids[:, :prompt], mask[:, :prompt]
+    rows = BATCH * group  # ... each followed by `group` different two-token continuations
+    own_ids = jax.random.randint(jax.random.PRNGKey(5), (rows, 2), 0, tiny_hf.VOCAB - 1)
+    full_ids = jnp.concatenate([jnp.repeat(prompt_ids, group, 0), own_ids], axis=1)
+    full_mask = jnp.concatenate([jnp.repeat(prompt_mask, group, 0),
+                                 jnp.ones((rows, 2), bool)], axis=1)
+    positions = transformer.position_ids_from_mask(full_mask)
+
+    @jax.jit
+    def steps(params):
+        stacked = transformer.init_kv_cache(config, BATCH, prompt)
+        _, _, stacked = transformer.forward(config, params, prompt_ids, prompt_mask,
+                                            cache=stacked, cache_mask=prompt_mask,
+                                            with_head=False)
+        own = transformer.init_kv_cache(config, rows, 2, per_layer=True)
+        cache = transformer.PrefixKVCache(tuple(stacked.k), tuple(stacked.v), own.k, own.v)
+        hs = []
+        for step in range(2):
+            h, _, cache = transformer.forward(
+                config, params, own_ids[:, step:step + 1], jnp.ones((rows, 1), bool),
+                positions=positions[:, prompt + step:prompt + step + 1], cache=cache,
+                cache_index=step, cache_mask=prompt_mask, with_head=False)
+            hs.append(h)
+        return jnp.concatenate(hs, axis=1), cache
+
+    got, cache = steps(params)
+    assert isinstance(cache, transformer.PrefixKVCache)
+    assert cache.prefix_k[0].shape == (BATCH, config.n_kv_heads, prompt, config.head_dim)
+    assert cache.k[0].shape == (rows, config.n_kv_heads, 2, config.head_dim)
+    full = transformer.hidden_states(config, params, full_ids, full_mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full)[:, prompt:], rtol=1e-4,
+                               atol=1e-4)
+    # Rows of a group differ (their own tokens do), so the prefix is not all that is read.
+    if group > 1:
+        assert float(jnp.max(jnp.abs(got[0] - got[1]))) > 1e-3

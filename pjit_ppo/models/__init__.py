@@ -6,13 +6,13 @@ from pjit_ppo.models import heads
 from pjit_ppo.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
 from pjit_ppo.models.hf import load_pretrained, save_pretrained
 from pjit_ppo.models.token_logprobs import head_token_logprobs
-from pjit_ppo.models.transformer import (KVCache, forward, hidden_states, init_kv_cache,
-                                         init_params, lm_head_logits, lm_head_weights, lm_logits,
-                                         param_shapes)
+from pjit_ppo.models.transformer import (KVCache, PrefixKVCache, forward, hidden_states,
+                                         init_kv_cache, init_params, lm_head_logits,
+                                         lm_head_weights, lm_logits, param_shapes)
 
 __all__ = [
     "heads", "SUPPORTED_ARCHITECTURES", "ModelConfig", "ModelConfigError", "load_pretrained",
-    "save_pretrained", "head_token_logprobs", "KVCache", "forward", "hidden_states",
-    "init_kv_cache", "init_params", "lm_head_logits", "lm_head_weights", "lm_logits",
-    "param_shapes",
+    "save_pretrained", "head_token_logprobs", "KVCache", "PrefixKVCache", "forward",
+    "hidden_states", "init_kv_cache", "init_params", "lm_head_logits", "lm_head_weights",
+    "lm_logits", "param_shapes",
 ]

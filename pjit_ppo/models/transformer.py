@@ -58,6 +58,26 @@ class KVCache(NamedTuple):
         return isinstance(self.k, (tuple, list))
 
 
+class PrefixKVCache(NamedTuple):
+    """Decode cache for groups of G consecutive rows that share a prompt (G >= 1):
+
+    - prefix_k, prefix_v: tuples of n_layers arrays [B / G, n_kv_heads, P, head_dim], the
+      prompt's keys and values, stored once per group and only read;
+    - k, v: tuples of n_layers arrays [B, n_kv_heads, N, head_dim], each row's own slots
+      for the tokens generated after the prompt, written in place (as the per-layer
+      layout of KVCache).
+
+    Attention reads a group's prompt entries once for its G rows (a [G, head_dim] x
+    [head_dim, P] product per group and head instead of G matrix-vector products), and
+    the prompt part is never copied per row. With this cache, `forward`'s cache_index is
+    the slot in the own part and cache_mask is the prefix's key mask [B / G, P].
+    """
+    prefix_k: Any
+    prefix_v: Any
+    k: Any
+    v: Any
+
+
 def init_kv_cache(config: ModelConfig, batch: int, max_len: int, dtype=None, *,
                   per_layer: bool = False) -> KVCache:
     """An all-zero cache for `batch` rows of up to `max_len` tokens (compute dtype);
@@ -160,6 +180,50 @@ def _attention_biases(attention_mask, key_mask, cache_index, with_cache,
     return new, _attention_bias(jnp.broadcast_to(before[:, None, :], (before.shape[0], t, s)))
 
 
+def _prefix_biases(prefix_mask, n_own: int, n_new: int, cache_index):
+    """Biases for a PrefixKVCache: (over the prefix slots [B / G, 1, 1, 1, 1, P], over
+    the own slots [1, 1, 1, 1, T, N]). Every own slot holds a real token; new token t
+    sees the own slots up to cache_index + t (the ones written so far, itself included)."""
+    prefix = jnp.where(prefix_mask.astype(bool), 0.0, _MASK_VALUE).astype(jnp.float32)
+    upto = jnp.arange(n_own)[None, :] <= cache_index + jnp.arange(n_new)[:, None]  # [T, N]
+    own = jnp.where(upto, 0.0, _MASK_VALUE).astype(jnp.float32)
+    return prefix[:, None, None, None, None, :], own[None, None, None, None]
+
+
+def _write_slots(buf, new, index):
+    """new [B, T, KV, hd] -> slots index.. of buf [B, KV, S, hd] (in place under jit)."""
+    return jax.lax.dynamic_update_slice(
+        buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), (0, 0, index, 0))
+
+
+def _prefix_attention(qg, k, v, cache_kv, biases, dtype):
+    """Attention of queries qg [B, T, KV, grp, hd] (scaled) over a PrefixKVCache layer.
+
+    cache_kv: (prefix k, prefix v [B / G, KV, P, hd], own k, own v [B, KV, N, hd],
+    index); k, v [B, T, KV, hd] are the new tokens', written at own slots index..
+    Returns (out [B, T, KV, grp, hd], (own k, own v) updated).
+    """
+    pk, pv, ck, cv, index = cache_kv
+    ck, cv = _write_slots(ck, k, index), _write_slots(cv, v, index)
+    b, t, kv, grp, hd = qg.shape
+    n, p = pk.shape[0], pk.shape[2]
+    g = b // n
+    bias_prefix, bias_own = biases
+    # The own buffers are read per row in their own layout (viewing them per group
+    # made XLA copy them every step); only the small scores are regrouped.
+    prefix = jnp.einsum("ngtkrd,nksd->nkgrts", qg.reshape(n, g, t, kv, grp, hd),
+                        pk.astype(dtype), preferred_element_type=jnp.float32) + bias_prefix
+    own = jnp.einsum("btkrd,bksd->bkrts", qg, ck.astype(dtype),
+                     preferred_element_type=jnp.float32)
+    own = jnp.moveaxis(own.reshape((n, g) + own.shape[1:]), 1, 2) + bias_own  # [n,kv,g,..]
+    probs = jax.nn.softmax(jnp.concatenate([prefix, own], axis=-1), axis=-1).astype(dtype)
+    probs_own = jnp.moveaxis(probs[..., p:], 2, 1).reshape(b, kv, grp, t, -1)
+    out = (jnp.einsum("nkgrts,nksd->ngtkrd", probs[..., :p], pv.astype(dtype))
+           .reshape(b, t, kv, grp, hd)
+           + jnp.einsum("bkrts,bksd->btkrd", probs_own, cv.astype(dtype)))
+    return out, (ck, cv)
+
+
 def _attention(config, x, positions, biases, cache_kv, query=None):
     """Causal self-attention of the new tokens x over themselves and the cache.
 
@@ -168,7 +232,9 @@ def _attention(config, x, positions, biases, cache_kv, query=None):
       or (k, v, cache_index): this layer's own buffers (the per-layer cache), into
       which the new tokens' keys and values are written at slots cache_index..
       before attention reads them (no copy of the buffers: each is read only after
-      its update). biases[1] then covers all S slots (`_attention_biases`).
+      its update). biases[1] then covers all S slots (`_attention_biases`);
+      or (prefix k, prefix v, k, v, cache_index): a PrefixKVCache layer, with
+      biases from `_prefix_biases` (see `_prefix_attention`).
     query: None, or a static (start, stop): only positions start..stop-1 are queries
       (keys and values still come from all T positions). No cache then.
     Returns y [B, T', D] (T' = T, or stop - start) and: the new tokens' (k, v)
@@ -191,13 +257,11 @@ def _attention(config, x, positions, biases, cache_kv, query=None):
         b, t = q.shape[:2]
         qg = (q * jnp.asarray(hd ** -0.5, dtype)).reshape(b, t, kv, h // kv, hd)
         new_kv = (k, v)
-        if cache_kv is not None and len(cache_kv) == 3:  # a layer's own buffers: write, read
+        if cache_kv is not None and len(cache_kv) == 5:  # shared prefix + own buffers
+            out, new_kv = _prefix_attention(qg, k, v, cache_kv, biases, dtype)
+        elif cache_kv is not None and len(cache_kv) == 3:  # a layer's own buffers: write, read
             ck, cv, index = cache_kv
-
-            def write(buf, new):  # new [B, T, KV, hd] -> slots index.. of buf
-                return jax.lax.dynamic_update_slice(
-                    buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), (0, 0, index, 0))
-            ck, cv = write(ck, k), write(cv, v)
+            ck, cv = _write_slots(ck, k, index), _write_slots(cv, v, index)
             scores = jnp.einsum("btkgd,bksd->bkgts", qg, ck.astype(dtype),
                                 preferred_element_type=jnp.float32) + bias_cache
             probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
@@ -357,9 +421,14 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
                              hk.initializers.RandomNormal(0.01))
             x = x + jnp.take(pos, positions, axis=0).astype(dtype)
 
-        per_layer_cache = cache is not None and cache.per_layer
-        biases = _attention_biases(attention_mask, key_mask, cache_index, cache is not None,
-                                   write_first=per_layer_cache)
+        prefix_cache = isinstance(cache, PrefixKVCache)
+        per_layer_cache = prefix_cache or (cache is not None and cache.per_layer)
+        if prefix_cache:
+            biases = _prefix_biases(key_mask, cache.k[0].shape[2], input_ids.shape[1],
+                                    cache_index)
+        else:
+            biases = _attention_biases(attention_mask, key_mask, cache_index,
+                                       cache is not None, write_first=per_layer_cache)
         if cache is None:
             def layer(x, query=None):
                 return _block(c, x, positions, biases, None, query)[0], None
@@ -369,16 +438,22 @@ def _trunk(config, input_ids, attention_mask, positions, cache, cache_index, key
             if output_slice is not None:
                 raise ValueError("output_slice is for full forwards (no cache)")
 
-            if per_layer_cache:  # each layer updates its own buffers (unrolled layers)
+            if prefix_cache:  # read the shared prefix, update the own buffers (unrolled)
+                def layer(x, pk, pv, ck, cv):
+                    return _block(c, x, positions, biases, (pk, pv, ck, cv, cache_index))
+                x, (ks, vs) = _stacked_layers(
+                    c, layer, x, (cache.prefix_k, cache.prefix_v, cache.k, cache.v))
+                new_cache = PrefixKVCache(cache.prefix_k, cache.prefix_v, ks, vs)
+            elif per_layer_cache:  # each layer updates its own buffers (unrolled layers)
                 def layer(x, ck, cv):
                     return _block(c, x, positions, biases, (ck, cv, cache_index))
-            else:
-                def layer(x, ck, cv):
-                    return _block(c, x, positions, biases, (ck, cv))
-            x, (ks, vs) = _stacked_layers(c, layer, x, (cache.k, cache.v))
-            if per_layer_cache:
+                x, (ks, vs) = _stacked_layers(c, layer, x, (cache.k, cache.v))
                 new_cache = KVCache(ks, vs)
             else:  # one in-place write of all layers' new entries (read-only above)
+                def layer(x, ck, cv):
+                    return _block(c, x, positions, biases, (ck, cv))
+                x, (ks, vs) = _stacked_layers(c, layer, x, (cache.k, cache.v))
+
                 def write(buf, new):  # new: [L, B, T, KV, hd] -> slots cache_index.. of buf
                     return jax.lax.dynamic_update_slice(
                         buf, jnp.swapaxes(new, 2, 3).astype(buf.dtype), (0, 0, 0, cache_index, 0))
@@ -443,10 +518,12 @@ def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
       positions: int32 [B, T]; default: exclusive cumsum of attention_mask (so left
         padding does not shift positions). Required with a cache after prefill.
       cache: optional KVCache (stacked or per-layer layout, returned in the same
-        layout); x[:, t] is written to slot cache_index + t.
+        layout); x[:, t] is written to slot cache_index + t. Or a PrefixKVCache (returned
+        as one), whose own slots cache_index + t receive x[:, t].
       cache_index: int32 scalar, the slot of the first input token.
       cache_mask: bool [B, S] over all cache slots (which slots hold real tokens,
-        including the ones being written). Required with a cache.
+        including the ones being written). Required with a cache. For a PrefixKVCache:
+        bool [B / G, P] over the prefix slots (the own slots are all real).
       with_head: compute the LM logits.
       output_slice: None, or static ints (start, stop): return hidden states and
         logits for positions start..stop-1 only. The last layer then computes only
