@@ -222,6 +222,12 @@ def test_prefix_cache_matches_the_uncached_forward(variant, group):
     full = transformer.hidden_states(config, params, full_ids, full_mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(full)[:, prompt:], rtol=1e-4,
                                atol=1e-4)
+    bad = transformer.PrefixKVCache(cache.prefix_k[:1] * config.n_layers,
+                                    cache.prefix_v[:1] * config.n_layers, cache.k, cache.v)
+    with pytest.raises(ValueError, match="input rows must equal the own buffers' rows"):
+        transformer.forward(config, params, own_ids[:-1, :1], jnp.ones((rows - 1, 1), bool),
+                            positions=positions[:-1, :1], cache=bad, cache_index=0,
+                            cache_mask=prompt_mask, with_head=False)
     # Rows of a group differ (their own tokens do), so the prefix is not all that is read.
     if group > 1:
         assert float(jnp.max(jnp.abs(got[0] - got[1]))) > 1e-3

@@ -542,6 +542,12 @@ def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
         output_slice = (start, stop)
     if positions is None:
         positions = position_ids_from_mask(attention_mask)
+    if isinstance(cache, PrefixKVCache):
+        groups, rows = cache.prefix_k[0].shape[0], input_ids.shape[0]
+        if rows % groups or cache.k[0].shape[0] != rows:
+            raise ValueError(f"PrefixKVCache: {rows} input rows must equal the own buffers' "
+                             f"rows ({cache.k[0].shape[0]}) and be a multiple of the prefix "
+                             f"rows ({groups})")
     if cache is None:
         key_mask = attention_mask
     elif cache_mask is None:
