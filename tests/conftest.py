@@ -1,15 +1,27 @@
-"""Test setup: 8 fake CPU devices unless the caller set XLA_FLAGS already."""
+"""Test setup: 8 fake CPU devices unless the caller set XLA_FLAGS already, a faster
+compiler setting (runs.TEST_XLA_FLAGS), and one compilation cache for the session."""
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+import runs
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in _flags:
+    _flags += " --xla_force_host_platform_device_count=8"
+for _flag in runs.TEST_XLA_FLAGS:
+    if _flag.split("=")[0] not in _flags:
+        _flags += " " + _flag
+os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole session, shared with the entry-point
-# subprocesses (tests/runs.py): the same programs are compiled by many tests.
+# subprocesses (tests/runs.py): the same programs are compiled by many tests. Removed at
+# exit when this session made it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pjit_ppo_jax_cache_")
+    _cache_dir = tempfile.mkdtemp(prefix="pjit_ppo_jax_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
