@@ -32,9 +32,10 @@ threefry (on by default in jax 0.10), draws the same numbers on one device and
 on any mesh. Logits are gathered along the vocabulary before the search so
 that its rounding does not depend on the mesh either.
 
-Cost per step: the LM head on [B, D] (logits [B, W], never [B, T, V]; W is V padded
-to a multiple of the block with zero weight columns, padded once per call, so that
-the block reductions need no padded copy per step), two O(V) reading passes over
+Cost per step: the LM head on [B, D] (logits [B, W], never [B, T, V]; the block is a
+divisor of V where V has one in [256, 2048], so that W = V, else W is V padded to a
+multiple of the block with zero weight columns, padded once per call, so that the
+block reductions need no padded copy per step), two O(V) reading passes over
 the logits for sampling (the row max, then the exp block sums; the scaled logits
 are never written out), and the transformer on one token per row against the
 cache. Top-p without top-k sorts the vocabulary each step (top-k
@@ -58,10 +59,26 @@ from pjit_ppo.models.transformer import (KVCache, PrefixKVCache, forward, init_k
 from pjit_ppo.padding import position_ids_from_mask
 
 __all__ = ["SamplingOptions", "generate", "make_generate_fn", "sample_from_logits",
-           "filter_logits", "keep_threshold"]
+           "filter_logits", "keep_threshold", "block_size_for_vocab"]
 
 # Block length of the two-level inverse-CDF search (speed only: any size draws exactly).
 BLOCK_SIZE = 256
+# The sampler's block: a divisor of the vocabulary in this range when there is one (no
+# padded copy of the LM head's weight per call), else BLOCK_SIZE with padding.
+_BLOCK_RANGE = (BLOCK_SIZE, 8 * BLOCK_SIZE)
+
+
+def block_size_for_vocab(vocab: int) -> int:
+    """The inverse-CDF block length `generate` uses for a vocabulary of `vocab` tokens.
+
+    The smallest divisor of vocab in [256, 2048] (GPT-2's 50257 = 29 x 1733 -> 1733,
+    GPT-J's 50400 -> 280, 32000 -> 256), so that the LM head's logits need no padding
+    columns; BLOCK_SIZE (with padding) when vocab has no such divisor.
+    """
+    for block in range(_BLOCK_RANGE[0], min(_BLOCK_RANGE[1], vocab) + 1):
+        if vocab % block == 0:
+            return block
+    return BLOCK_SIZE
 
 # Logical axes of one layer's KV cache buffer [batch, n_kv_heads, max_len, head_dim]
 # (the decode loop's prefix buffers [B / G, ...] and own buffers [B, ...] alike).
@@ -355,7 +372,8 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         return PrefixKVCache(*(tuple(constrain(x, CACHE_AXES) for x in part)
                                for part in cache))
 
-    head = _padded_lm_head(config, params, BLOCK_SIZE)  # [B, 1, D] -> [B, W], W >= V
+    block = block_size_for_vocab(config.vocab_size)
+    head = _padded_lm_head(config, params, block)  # [B, 1, D] -> [B, W], W >= V
 
     def pick(logits, step, done):
         """Token `step` from logits [B, W]; handles the stop token. done: bool [B]."""
@@ -363,7 +381,7 @@ def generate(config: ModelConfig, params: hk.Params, prompt_ids: jax.Array,
         tok, lp = sample_from_logits(logits, jax.random.fold_in(key, step),
                                      temperature=opts.temperature, top_k=opts.top_k,
                                      top_p=opts.top_p, top_p_mode=opts.top_p_mode,
-                                     greedy=opts.greedy, rows=rows,
+                                     greedy=opts.greedy, block_size=block, rows=rows,
                                      vocab_size=config.vocab_size)
         if opts.stop_token is None:
             return tok, lp, done

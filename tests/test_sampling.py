@@ -451,6 +451,28 @@ def test_padded_logits_sample_like_the_vocabulary():
                                     block_size=block, vocab_size=vocab)
 
 
+def test_block_divides_the_vocabulary_when_it_can():
+    """generate's block is a divisor of the vocabulary where one lies in [256, 2048] (no
+    padded LM head), else 256 with padding; both blocks draw the same tokens."""
+    assert sampling.block_size_for_vocab(50257) == 1733  # 29 x 1733: GPT-2
+    assert sampling.block_size_for_vocab(50400) == 280   # GPT-J
+    assert sampling.block_size_for_vocab(32000) == 256
+    assert sampling.block_size_for_vocab(300) == 300     # one block
+    assert sampling.block_size_for_vocab(100) == 256     # smaller than a block: padded
+    assert sampling.block_size_for_vocab(4099) == 256    # a prime above 2048: padded
+    vocab = 3 * 521
+    block = sampling.block_size_for_vocab(vocab)
+    assert block == 521
+    logits = jax.random.normal(jax.random.PRNGKey(0), (64, vocab)) * 3.0
+    for key in range(4):
+        k = jax.random.PRNGKey(key)
+        want = sampling.sample_from_logits(logits, k, temperature=0.7, block_size=256)
+        got = sampling.sample_from_logits(logits, k, temperature=0.7, block_size=block)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6,
+                                   atol=1e-6)
+
+
 def _loop_body_lines(hlo: str, carried_shape: str) -> list:
     """The lines of the while loop whose carried tuple holds `carried_shape`, and of every
     computation its body calls (fusions, nested loops), from compiled HLO text."""
