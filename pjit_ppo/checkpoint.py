@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from pjit_ppo import distributed
+from pjit_ppo.errors import CheckpointError
 from pjit_ppo.config import CheckpointOptions
 from pjit_ppo.ppo.types import TrainState
 
@@ -46,10 +47,6 @@ MANIFEST = "pjit_ppo_manifest.json"
 _UNLISTED = (MANIFEST, "_CHECKPOINT_METADATA", "commit_success.txt")
 FORMAT_VERSION = 1
 _CHUNK = 16 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read; the message names it and the fix."""
 
 
 def checkpoint_dir(workdir: str) -> str:

@@ -18,9 +18,10 @@ import numpy as np
 
 from pjit_ppo import checkpoint, distributed, rng, sample_table, sampling, sharding
 from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
-from pjit_ppo.ppo import assemble, scoring
-from pjit_ppo.ppo.rewards import score_responses
-from pjit_ppo.ppo.run import load_lm, load_reward, make_prompts
+from pjit_ppo.models import assemble, scoring
+from pjit_ppo.rewards import score_responses
+from pjit_ppo.loading import load_lm
+from pjit_ppo.ppo.run import load_reward, make_prompts
 
 #: Config fields that must equal the checkpoint's: they define the models and the reward.
 MODEL_FIELDS = ("model.", "reward.")

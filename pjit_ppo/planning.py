@@ -34,9 +34,9 @@ import numpy as np
 
 from pjit_ppo import sharding
 from pjit_ppo.config import PPOConfig, RunConfig
-from pjit_ppo.models import ModelConfig, heads, init_params
-from pjit_ppo.ppo import assemble
-from pjit_ppo.ppo.rewards import model_reward_fn, target_token_reward
+from pjit_ppo.loading import lm_config
+from pjit_ppo.models import ModelConfig, assemble, heads, init_params
+from pjit_ppo.rewards import model_reward_fn, target_token_reward
 from pjit_ppo.ppo.trainer import PPOTrainer
 from pjit_ppo.ppo.types import PPOModels, TrainState
 
@@ -126,7 +126,6 @@ def _cast(tree, dtype):
 
 
 def _lm_config(config: RunConfig, path: str) -> ModelConfig:
-    from pjit_ppo.ppo.run import lm_config  # run.py imports this module
     return lm_config(config.model, path)
 
 

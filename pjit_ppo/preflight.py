@@ -286,6 +286,7 @@ def check_weights(config: RunConfig, models: RunModels) -> None:
     """Every tensor the models need is in their safetensors files with the shape and a
     dtype config.json implies (headers only; nothing is read or allocated)."""
     from pjit_ppo.models import families, hf, param_shapes
+    from pjit_ppo.errors import CheckpointError
     from pjit_ppo.models.safetensors_io import CheckpointReader
     for field, path, model in (("model.policy_path", config.model.policy_path, models.policy),
                                ("reward.path", config.reward.path, models.reward)):
@@ -295,7 +296,7 @@ def check_weights(config: RunConfig, models: RunModels) -> None:
             hf._resolve_names(model, CheckpointReader(path),  # noqa: SLF001 (the same check)
                               families.get(model.architecture).tensor_maps(model),
                               param_shapes(model))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, CheckpointError) as e:
             _fail(f"{field}={path!r}: {_first_line(e)}")
 
 

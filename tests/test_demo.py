@@ -8,7 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from pjit_ppo.demo import corpus, labeller, tokenizer as demo_tokenizer
+from pjit_ppo.demo import procedural_text as corpus, labeller, tokenizer as demo_tokenizer
 
 from tests import runs
 

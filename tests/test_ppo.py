@@ -10,7 +10,7 @@ from pjit_ppo import data, sharding
 from pjit_ppo.models import ModelConfig, heads, init_params, lm_head_logits
 from pjit_ppo.ppo import (PPOConfig, PPOModels, PPOTrainer, epoch_permutations, make_critic,
                           make_frozen, model_reward_fn, target_token_reward, trunk_only)
-from pjit_ppo.ppo import scoring
+from pjit_ppo.models import scoring
 from pjit_ppo.ppo.trainer import iteration_keys
 
 VOCAB, PAD = 64, 63

@@ -88,7 +88,7 @@ def test_tokenize_pads_queries_left_and_responses_right(tmp_path):
 
 RECIPE = """
 from pjit_ppo.config import ModelOptions
-from pjit_ppo.stage_config import RewardLearningConfig
+from pjit_ppo.config import RewardLearningConfig
 
 
 def get_config(arg=""):

@@ -11,7 +11,7 @@ import pytest
 from pjit_ppo import sharding
 from pjit_ppo.data import DataError
 from pjit_ppo.data import prompts as text
-from pjit_ppo.demo import corpus, tokenizer as demo_tokenizer
+from pjit_ppo.demo import procedural_text as corpus, tokenizer as demo_tokenizer
 
 from tests import runs
 

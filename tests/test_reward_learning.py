@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 import tiny_text
-from pjit_ppo import reward_learning, sharding
+from pjit_ppo import reward as reward_learning, sharding
 from pjit_ppo.config import ConfigError, ModelOptions, PPOConfig, RewardOptions, RunConfig
 from pjit_ppo.data import DataError
 from pjit_ppo.models import heads
-from pjit_ppo.reward import load_reward_model, normalized_head, preference_loss, reward_scores
-from pjit_ppo.stage_config import RewardLearningConfig
+from pjit_ppo.models.reward_model import load_reward_model, reward_scores
+from pjit_ppo.reward import normalized_head, preference_loss
+from pjit_ppo.config import RewardLearningConfig
 
 LOGITS = np.array([[0.5, -1.0, 2.0, 0.1], [3.0, 3.0, -2.0, 0.0], [-0.3, 0.2, 0.2, 0.9]],
                   np.float32)
@@ -141,8 +142,8 @@ def test_normalisation_reaches_mean_0_std_1_on_held_out_samples(trained):
     # (Normalisation is relative to the prompts sampled from: here the labels' queries.)
     from pjit_ppo.data.preferences import load_preferences
     from pjit_ppo.data.prompts import load_tokenizer, tokenize_queries
-    from pjit_ppo.ppo import assemble
-    from pjit_ppo.ppo.run import load_lm
+    from pjit_ppo.models import assemble
+    from pjit_ppo.loading import load_lm
     from pjit_ppo.reward.normalize import NormSampler
     mesh = sharding.make_mesh()
     cfg, params = load_reward_model(out["reward_model_dir"], mesh)

@@ -7,7 +7,7 @@ import numpy as np
 from pjit_ppo import padding
 from pjit_ppo.models import heads, transformer
 from pjit_ppo.models.config import ModelConfig
-from pjit_ppo.ppo import scoring
+from pjit_ppo.models import scoring
 
 CONFIG = ModelConfig.from_hf_dict(dict(model_type="gpt2", vocab_size=64, n_embd=32, n_layer=2,
                                        n_head=4, n_positions=64))

@@ -12,7 +12,7 @@ import tiny_text
 from pjit_ppo import sft
 from pjit_ppo.config import ConfigError, ModelOptions
 from pjit_ppo.data import DataError, corpus
-from pjit_ppo.stage_config import SFTConfig
+from pjit_ppo.config import SFTConfig
 
 
 class _Tok:
@@ -127,7 +127,7 @@ def test_bad_corpus_through_entry_point_is_one_line(tmp_path):
     recipe = tmp_path / "recipe.py"
     recipe.write_text(
         "from pjit_ppo.config import ModelOptions\n"
-        "from pjit_ppo.stage_config import SFTConfig\n\n\n"
+        "from pjit_ppo.config import SFTConfig\n\n\n"
         "def get_config(arg=''):\n"
         f"    return SFTConfig(model=ModelOptions(random={tiny_text.model_random()!r}),\n"
         f"                     data_path={str(tmp_path / 'c.jsonl')!r}, tokenizer_path="

@@ -102,10 +102,10 @@ def quiet_library_info_logs(prefixes=("/orbax/", "/asyncio/")) -> None:
 def user_errors():
     """Turns the errors a user can cause into one line on stderr and an exit status:
     2 for an invalid config, 1 for a run that stopped (non-finite values, checkpoints)."""
-    from pjit_ppo.checkpoint import CheckpointError
+    from pjit_ppo.errors import CheckpointError
     from pjit_ppo.config import ConfigError
-    from pjit_ppo.data.errors import DataError
-    from pjit_ppo.ppo.trainer import NonFiniteError
+    from pjit_ppo.errors import DataError
+    from pjit_ppo.errors import NonFiniteError
     try:
         yield
     except ConfigError as e:

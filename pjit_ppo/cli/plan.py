@@ -55,7 +55,7 @@ def main(argv):
     common.setup_jax()
     from pjit_ppo import planning, sharding
     from pjit_ppo.config import ConfigError
-    from pjit_ppo.ppo.run import device_memory_limit
+    from pjit_ppo.loading import device_memory_limit
     with common.user_errors():
         config = _CONFIG.value
         config.validate()

@@ -12,7 +12,7 @@ from pjit_ppo.config import ConfigError
 @contextlib.contextmanager
 def data_errors():
     """A DataError (a bad corpus / label file) as one line on stderr, exit status 2."""
-    from pjit_ppo.data.errors import DataError
+    from pjit_ppo.errors import DataError
     try:
         yield
     except DataError as e:
@@ -35,7 +35,7 @@ def _check_dirs(config, fields) -> None:
 def check_sft(config) -> None:
     """SFTConfig values, its model and tokenizer directories, the corpus files."""
     from pjit_ppo.data import corpus
-    from pjit_ppo.stage_config import SFTConfig
+    from pjit_ppo.config import SFTConfig
     _check_type(config, SFTConfig, "train_sft")
     config.validate()
     _check_dirs(config, [("model.policy_path", config.model.policy_path),
@@ -50,7 +50,7 @@ def check_sft(config) -> None:
 def check_reward(config) -> None:
     """RewardLearningConfig values, its directories, and every label record."""
     from pjit_ppo.data import preferences
-    from pjit_ppo.stage_config import RewardLearningConfig
+    from pjit_ppo.config import RewardLearningConfig
     _check_type(config, RewardLearningConfig, "train_reward")
     config.validate()
     _check_dirs(config, [("model.policy_path", config.model.policy_path),

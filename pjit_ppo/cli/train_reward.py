@@ -30,7 +30,7 @@ def main(argv):
     with common.config_errors(), stage_checks.data_errors():  # nothing written yet
         stage_checks.check_reward(config)
     common.setup_jax()
-    from pjit_ppo import reward_learning
+    from pjit_ppo import reward as reward_learning
     with common.user_errors():
         out = reward_learning.train(config, workdir)
     logging.info("reward learning done: held-out accuracy %.3f, reward model in %s",

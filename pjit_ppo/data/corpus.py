@@ -20,7 +20,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from pjit_ppo.data.errors import DataError
+from pjit_ppo.errors import DataError
 
 
 class Document(NamedTuple):

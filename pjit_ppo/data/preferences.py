@@ -19,7 +19,7 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
-from pjit_ppo.data.errors import DataError
+from pjit_ppo.errors import DataError
 
 
 class PreferenceRecord(NamedTuple):

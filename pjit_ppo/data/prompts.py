@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pjit_ppo import rng, sharding
-from pjit_ppo.data.errors import DataError
+from pjit_ppo.errors import DataError
 
 FORMATS = ("auto", "jsonl", "text", "hf_dataset")
 

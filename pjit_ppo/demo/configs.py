@@ -15,7 +15,7 @@ import os
 
 from pjit_ppo.config import (CheckpointOptions, DataOptions, EvalOptions, ModelOptions,
                              PPOConfig, RewardOptions, RunConfig)
-from pjit_ppo.stage_config import RewardLearningConfig, SFTConfig
+from pjit_ppo.config import RewardLearningConfig, SFTConfig
 
 #: The policy: a small GPT-J-architecture decoder (random init; SFT trains it).
 MODEL = dict(model_type="gptj", vocab_size=648, n_embd=128, n_layer=2, n_head=4,

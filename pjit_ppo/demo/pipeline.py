@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 from absl import logging
 
-from pjit_ppo.demo import configs, corpus, labeller, sampler, tokenizer as demo_tokenizer
+from pjit_ppo.demo import configs, procedural_text as corpus, labeller, sampler, tokenizer as demo_tokenizer
 
 STAGES = ("data", "sft", "labels", "reward", "ppo", "evaluate")
 LABEL_TEMPERATURE = 0.25  # the labeller's softmax temperature over VADER compound scores
@@ -108,7 +108,7 @@ def stage_labels(arg: str, sizes: configs.Sizes) -> Dict[str, Any]:
 
 
 def stage_reward(arg: str, sizes: configs.Sizes) -> Dict[str, Any]:
-    from pjit_ppo import reward_learning
+    from pjit_ppo import reward as reward_learning
     return reward_learning.train(configs.reward(arg), configs.paths(arg.partition(",")[0])[
         "reward"])
 

@@ -37,6 +37,8 @@ from typing import Callable, Dict, NamedTuple, Sequence, Tuple
 import ml_dtypes
 import numpy as np
 
+from pjit_ppo.errors import CheckpointError  # noqa: F401 (re-exported by models.hf)
+
 # safetensors data is little-endian; we map it with native dtypes.
 if np.little_endian is False:  # pragma: no cover
     raise ImportError("pjit_ppo's safetensors reader needs a little-endian host")
@@ -54,10 +56,6 @@ _CODES = {
 }
 _CODE_OF = {v: k for k, v in _CODES.items()}
 WEIGHT_DTYPES = tuple(_CODES)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or file that cannot be read as expected."""
 
 
 class TensorInfo(NamedTuple):

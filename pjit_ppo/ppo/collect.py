@@ -16,8 +16,9 @@ import jax.numpy as jnp
 
 from pjit_ppo import sampling, sharding
 from pjit_ppo.config import PPOConfig
-from pjit_ppo.ppo import estimators, scoring
-from pjit_ppo.ppo.rewards import score_responses
+from pjit_ppo.models import scoring
+from pjit_ppo.ppo import estimators
+from pjit_ppo.rewards import score_responses
 from pjit_ppo.ppo.types import Experience, PPOModels
 
 

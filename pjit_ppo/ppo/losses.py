@@ -14,7 +14,7 @@ from typing import Dict, Tuple
 import jax
 import jax.numpy as jnp
 
-from pjit_ppo.ppo import scoring
+from pjit_ppo.models import scoring
 from pjit_ppo.ppo.masked import masked_mean, masked_var
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import signal
 import threading
@@ -14,38 +13,20 @@ import jax.numpy as jnp
 from absl import logging
 
 from pjit_ppo import checkpoint, data, distributed, flops, metrics as metrics_lib, sharding
-from pjit_ppo.config import ConfigError, ModelOptions, RunConfig, resume_conflicts
-from pjit_ppo.models import ModelConfig, heads, init_params, load_pretrained
-from pjit_ppo.ppo import assemble
-from pjit_ppo.ppo.rewards import model_reward_fn, target_token_reward
+from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
+from pjit_ppo.loading import device_memory_limit, lm_config, load_lm, write_config
+from pjit_ppo.models import assemble, heads
+from pjit_ppo.rewards import model_reward_fn, target_token_reward
 from pjit_ppo.ppo.trainer import PPOTrainer
 from pjit_ppo.ppo.types import PPOModels, PromptFn, TrainState
 from pjit_ppo.sample_table import SampleTable
-
-
-def load_lm(options: ModelOptions, path: str, mesh, seed: int):
-    """(ModelConfig, fp32 params sharded on mesh) from an HF dir, or random from options.random."""
-    overrides = options.overrides()
-    if path:
-        return load_pretrained(path, mesh=mesh, dtype="float32", config_overrides=overrides)
-    config = ModelConfig.from_hf_dict(dict(options.random), **overrides)
-    params = sharding.init_sharded(functools.partial(init_params, config), mesh,
-                                   jax.random.PRNGKey(seed))
-    return config, params
-
-
-def lm_config(options: ModelOptions, path: str) -> ModelConfig:
-    """The ModelConfig load_lm would build (read from config.json; no weights)."""
-    if path:
-        return ModelConfig.from_pretrained(path, **options.overrides())
-    return ModelConfig.from_hf_dict(dict(options.random), **options.overrides())
 
 
 def load_reward(config: RunConfig, mesh):
     """The run's reward: (reward ModelConfig or None, RewardFn, frozen reward params or None,
     fp32 reward trunk + head or None).
 
-    reward.path may be a reward-model directory (pjit_ppo.reward_learning's output): its
+    reward.path may be a reward-model directory (pjit_ppo.reward's output): its
     trained head (with the normalisation's gain and bias, heads.REWARD_HEAD_FILE) is
     used. A plain HF LM directory (or "" = model.random) gets a random head from
     reward.head_seed.
@@ -153,23 +134,6 @@ def _synthetic_position(seed: int, iteration: int) -> Dict[str, Any]:
     return {"kind": "synthetic", "seed": seed, "next_iteration": iteration}
 
 
-def write_config(config, workdir: str) -> str:
-    """Writes WORKDIR/config.json atomically (a temp file renamed over it); returns the path.
-
-    `config`: a RunConfig, or any stage config with `to_dict()` (SFT, reward learning).
-
-    Process 0 only (the others return the path without writing)."""
-    path = os.path.join(workdir, "config.json")
-    if jax.process_index() != 0:
-        return path
-    os.makedirs(workdir, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(config.to_dict(), f, indent=2, default=str)
-    os.replace(tmp, path)
-    return path
-
-
 def frozen_sources(config: RunConfig) -> Dict[str, str]:
     """Where the frozen models come from (recorded in checkpoints instead of their weights)."""
     policy = (config.model.policy_path
@@ -243,15 +207,6 @@ class _Preemption:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def device_memory_limit() -> Optional[int]:
-    """Bytes one device may allocate, where the backend says (None on CPU)."""
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-    except Exception:  # backends differ: some raise instead of returning None
-        stats = {}
-    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
 
 
 def log_memory_plan(job: Job, state: TrainState) -> Dict[str, Any]:

@@ -24,6 +24,7 @@ from pjit_ppo import flops as flops_lib
 from pjit_ppo import metrics as metrics_lib
 from pjit_ppo import distributed, rng, sharding
 from pjit_ppo.config import PPOConfig
+from pjit_ppo.errors import NonFiniteError
 from pjit_ppo.optim import make_optimizer
 from pjit_ppo.ppo.kl import kl_init
 from pjit_ppo.ppo.rollout import rollout
@@ -44,10 +45,6 @@ def iteration_keys(cfg: PPOConfig, iteration: int) -> Tuple[jax.Array, jax.Array
     the same after a resume."""
     return (rng.stream_key(cfg.seed, "sample", iteration),
             rng.stream_key(cfg.seed, "update", iteration))
-
-
-class NonFiniteError(FloatingPointError):
-    """A quantity training depends on became NaN or infinite."""
 
 
 #: Quantities training depends on, in the order they arise, with the fix that fits each.

@@ -7,10 +7,7 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import jax
 
 from pjit_ppo.models.config import ModelConfig
-
-#: (reward_params, query [B,Q], query_mask [B,Q], response [B,R], response_mask [B,R])
-#: -> float32 scores [B]. Scores the truncated response.
-RewardFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+from pjit_ppo.rewards import RewardFn
 
 #: iteration -> (query int32 [B, Q] left-padded global array, query_mask bool [B, Q]).
 PromptFn = Callable[[int], Tuple[jax.Array, jax.Array]]

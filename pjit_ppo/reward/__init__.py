@@ -1,12 +1,11 @@
-"""Reward learning from preference labels: the loss, the reward model's scores over
-N responses, normalisation of gain and bias, and the reward-model directory.
+"""The reward-learning stage: a reward model trained from preference labels
+(lm-human-preferences' train_reward), its loss and the normalisation of its gain and bias.
 
-`pjit_ppo.reward_learning.train` runs the stage; these modules are its parts.
+`train(config, workdir)` runs the stage and writes WORKDIR/reward_model/, a reward-model
+directory (`pjit_ppo.models.reward_model`) that PPO's `reward.kind="model"` reads.
 """
 from pjit_ppo.reward.loss import preference_loss
-from pjit_ppo.reward.model import (REWARD_MODEL_INFO, load_reward_model, reward_scores,
-                                   save_reward_model)
 from pjit_ppo.reward.normalize import normalized_head
+from pjit_ppo.reward.train import train
 
-__all__ = ["preference_loss", "reward_scores", "save_reward_model", "load_reward_model",
-           "REWARD_MODEL_INFO", "normalized_head"]
+__all__ = ["train", "preference_loss", "normalized_head"]

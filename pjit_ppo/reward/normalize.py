@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjit_ppo import padding, sampling, sharding, supervised
-from pjit_ppo.reward.model import reward_scores
+from pjit_ppo.models.reward_model import reward_scores
 
 
 def normalized_head(head: dict, mean: float, std: float, target_mean: float = 0.0,

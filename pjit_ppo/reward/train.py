@@ -48,12 +48,12 @@ from absl import logging
 from pjit_ppo import metrics as metrics_lib, optim, sharding, supervised
 from pjit_ppo.config import ConfigError
 from pjit_ppo.data import preferences
-from pjit_ppo.data.errors import DataError
+from pjit_ppo.errors import DataError
 from pjit_ppo.models import heads
 from pjit_ppo.reward.loss import preference_loss
-from pjit_ppo.reward.model import reward_scores, save_reward_model, split_lm
+from pjit_ppo.models.reward_model import reward_scores, save_reward_model, split_lm
 from pjit_ppo.reward.normalize import NormSampler, normalized_head
-from pjit_ppo.stage_config import RewardLearningConfig
+from pjit_ppo.config import RewardLearningConfig
 
 #: The output directory inside the work directory.
 REWARD_MODEL_DIR = "reward_model"
@@ -131,8 +131,8 @@ def _norm_queries(config: RewardLearningConfig, tokenizer, train_records) -> np.
 def _load_models(config: RewardLearningConfig, mesh):
     """(reward ModelConfig, trainable trunk + head, LM head aside, policy ModelConfig,
     frozen policy)."""
-    from pjit_ppo.ppo import assemble
-    from pjit_ppo.ppo.run import load_lm
+    from pjit_ppo.models import assemble
+    from pjit_ppo.loading import load_lm
     reward_cfg, lm = load_lm(config.model, config.reward_init_path, mesh, config.seed)
     if config.reward_init_path == config.model.policy_path:  # the same model: no second load
         policy_cfg, policy = reward_cfg, assemble.make_frozen(lm, reward_cfg.compute_dtype)
@@ -162,9 +162,9 @@ def train(config: RewardLearningConfig, workdir: str) -> Dict[str, Any]:
     NonFiniteError if the loss stops being finite.
     """
     from pjit_ppo.data.prompts import check_tokenizer, load_tokenizer
-    from pjit_ppo.ppo.run import lm_config, write_config
-    from pjit_ppo.ppo.trainer import NonFiniteError
-    from pjit_ppo.sft import copy_tokenizer
+    from pjit_ppo.loading import lm_config, write_config
+    from pjit_ppo.errors import NonFiniteError
+    from pjit_ppo.loading import copy_tokenizer
 
     config.validate()
     train_records, test_records = _split_labels(config)

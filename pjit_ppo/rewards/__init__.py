@@ -5,14 +5,20 @@ response_mask [B,R]) to float32 scores [B]; the response is the truncated one.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
+
+import jax
 
 import jax.numpy as jnp
 
 from pjit_ppo import padding
 from pjit_ppo.models.config import ModelConfig
-from pjit_ppo.ppo import scoring
-from pjit_ppo.ppo.types import RewardFn
+from pjit_ppo.models import scoring
+
+#: (reward_params, query [B,Q], query_mask [B,Q], response [B,R], response_mask [B,R])
+#: -> float32 scores [B]. Scores the truncated response.
+RewardFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
 
 
 def model_reward_fn(reward_config: ModelConfig) -> RewardFn:

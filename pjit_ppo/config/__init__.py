@@ -22,6 +22,8 @@ import math
 import typing
 from typing import Any, Dict, Optional, Tuple
 
+from pjit_ppo.errors import ConfigError
+
 #: Allowed values of the enum-like fields, in one place.
 OPTIMIZERS = ("tf_adam", "adam")
 KL_CONTROLLERS = ("adaptive", "fixed")
@@ -38,8 +40,6 @@ REWARD_KINDS = ("model", "target_tokens")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the field, the value and the fix."""
 
 
 def _need(ok: bool, message: str) -> None:
@@ -630,3 +630,7 @@ def resume_conflicts(saved: Dict[str, Any], current: Dict[str, Any]) -> Dict[str
 def json_round_trip(tree: Any) -> Any:
     """`tree` as it reads back from JSON (tuples become lists)."""
     return json.loads(json.dumps(tree, default=str))
+
+
+# The configs of the stages before PPO share these sections (defined in stages.py).
+from pjit_ppo.config.stages import RewardLearningConfig, SFTConfig  # noqa: E402

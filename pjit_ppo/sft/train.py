@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
@@ -38,17 +37,14 @@ from absl import logging
 from pjit_ppo import metrics as metrics_lib, sharding, supervised
 from pjit_ppo.config import ConfigError
 from pjit_ppo.data import corpus
-from pjit_ppo.data.errors import DataError
+from pjit_ppo.errors import DataError
 from pjit_ppo.models import hidden_states, lm_head_weights, save_pretrained
 from pjit_ppo.models.token_logprobs import head_token_logprobs
-from pjit_ppo.stage_config import SFTConfig
+from pjit_ppo.config import SFTConfig
 
 #: The output model directory inside the work directory.
 MODEL_DIR = "model"
 #: Files of an HF tokenizer directory copied next to the saved model.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model",
-                   "vocab.txt", "spiece.model", "chat_template.jinja")
 CONSOLE_KEYS = ("train/loss", "test/loss", "train/lr")
 
 
@@ -155,19 +151,6 @@ def _check_sizes(config: SFTConfig, mesh, n_train: int, vocab_size: int, tokeniz
                         f"tokenizer")
 
 
-def copy_tokenizer(tokenizer_path: str, out_dir: str) -> List[str]:
-    """Copies the tokenizer files of `tokenizer_path` into `out_dir`; returns their names."""
-    copied = []
-    if jax.process_index() != 0:  # one writer (the directory may be shared)
-        return copied
-    for name in TOKENIZER_FILES:
-        src = os.path.join(tokenizer_path, name)
-        if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(out_dir, name))
-            copied.append(name)
-    return copied
-
-
 def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
     """Runs SFT; writes WORKDIR/{config.json, metrics.jsonl, tensorboard/, model/}.
 
@@ -178,8 +161,8 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
     NonFiniteError if the training loss stops being finite.
     """
     from pjit_ppo.data.prompts import load_tokenizer
-    from pjit_ppo.ppo.run import lm_config, load_lm, write_config
-    from pjit_ppo.ppo.trainer import NonFiniteError
+    from pjit_ppo.loading import copy_tokenizer, lm_config, load_lm, write_config
+    from pjit_ppo.errors import NonFiniteError
 
     config.validate()
     tokenizer_path = config.tokenizer_path or config.model.policy_path

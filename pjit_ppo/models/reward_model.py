@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from pjit_ppo import sharding
 from pjit_ppo.models import heads, load_pretrained, save_pretrained
 from pjit_ppo.models.config import ModelConfig
-from pjit_ppo.ppo import scoring
+from pjit_ppo.models import scoring
 
 #: Metadata file of a reward-model directory.
 REWARD_MODEL_INFO = "reward_model.json"

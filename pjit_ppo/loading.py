@@ -1,0 +1,78 @@
+"""Loading what every stage starts from, owned by none: a language model (an HF
+directory, or random init from a config dict), its tokenizer's files, a run's
+config.json, and how much memory one device has.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from typing import List, Optional
+
+import jax
+
+from pjit_ppo import sharding
+from pjit_ppo.config import ModelOptions
+from pjit_ppo.models import ModelConfig, init_params, load_pretrained
+
+#: The files of an HF tokenizer directory that are copied next to a stage's output model.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model",
+                   "vocab.txt", "spiece.model", "chat_template.jinja")
+
+def load_lm(options: ModelOptions, path: str, mesh, seed: int):
+    """(ModelConfig, fp32 params sharded on mesh) from an HF dir, or random from options.random."""
+    overrides = options.overrides()
+    if path:
+        return load_pretrained(path, mesh=mesh, dtype="float32", config_overrides=overrides)
+    config = ModelConfig.from_hf_dict(dict(options.random), **overrides)
+    params = sharding.init_sharded(functools.partial(init_params, config), mesh,
+                                   jax.random.PRNGKey(seed))
+    return config, params
+
+
+def lm_config(options: ModelOptions, path: str) -> ModelConfig:
+    """The ModelConfig load_lm would build (read from config.json; no weights)."""
+    if path:
+        return ModelConfig.from_pretrained(path, **options.overrides())
+    return ModelConfig.from_hf_dict(dict(options.random), **options.overrides())
+
+
+def write_config(config, workdir: str) -> str:
+    """Writes WORKDIR/config.json atomically (a temp file renamed over it); returns the path.
+
+    `config`: a RunConfig, or any stage config with `to_dict()` (SFT, reward learning).
+
+    Process 0 only (the others return the path without writing)."""
+    path = os.path.join(workdir, "config.json")
+    if jax.process_index() != 0:
+        return path
+    os.makedirs(workdir, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(config.to_dict(), f, indent=2, default=str)
+    os.replace(tmp, path)
+    return path
+
+
+def copy_tokenizer(tokenizer_path: str, out_dir: str) -> List[str]:
+    """Copies the tokenizer files of `tokenizer_path` into `out_dir`; returns their names."""
+    copied = []
+    if jax.process_index() != 0:  # one writer (the directory may be shared)
+        return copied
+    for name in TOKENIZER_FILES:
+        src = os.path.join(tokenizer_path, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out_dir, name))
+            copied.append(name)
+    return copied
+
+
+def device_memory_limit() -> Optional[int]:
+    """Bytes one device may allocate, where the backend says (None on CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # backends differ: some raise instead of returning None
+        stats = {}
+    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
