@@ -40,7 +40,7 @@ def number_in(field: str, value: Any, low: float, high: float, fix: str = "", *,
     if ok:
         ok = (value > low if low_open else value >= low) and (
             value < high if high_open else value <= high)
-    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
     need(ok, f"{field}={value!r} must be a number in {interval}{fix}")
 
 
