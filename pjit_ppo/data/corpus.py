@@ -20,6 +20,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from pjit_ppo.data.formats import detect_format
 from pjit_ppo.errors import DataError
 
 
@@ -43,11 +44,6 @@ class Sequences(NamedTuple):
 
     def take(self, index) -> "Sequences":
         return Sequences(*(np.asarray(x)[index] for x in self))
-
-
-def detect_format(path: str) -> str:
-    """"jsonl" for *.jsonl / *.json, else "text"."""
-    return "jsonl" if path.endswith((".jsonl", ".json")) else "text"
 
 
 def load_documents(path: str, fmt: str = "auto", text_field: str = "text",

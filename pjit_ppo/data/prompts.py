@@ -25,16 +25,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pjit_ppo import rng, sharding
+from pjit_ppo.data.formats import detect_format
 from pjit_ppo.errors import DataError
 
 FORMATS = ("auto", "jsonl", "text", "hf_dataset")
-
-
-def detect_format(path: str) -> str:
-    """"hf_dataset" for a directory, "jsonl" for *.jsonl / *.json, else "text"."""
-    if os.path.isdir(path):
-        return "hf_dataset"
-    return "jsonl" if path.endswith((".jsonl", ".json")) else "text"
 
 
 def load_prompt_texts(path: str, fmt: str = "auto", field: str = "prompt") -> List[str]:
