@@ -78,11 +78,13 @@ def start_distributed() -> bool:
         sys.exit(1)
 
 
-def quiet_library_info_logs(prefixes=("/orbax/", "/asyncio/")) -> None:
+def quiet_library_info_logs(prefixes=("/orbax/", "/asyncio/", "/jax/_src/xla_bridge.py")
+                            ) -> None:
     """Keeps the console for our progress lines and our error messages.
 
     Records from libraries that log every step of their work (Orbax, and asyncio on
-    Orbax's behalf) are dropped below WARNING; their warnings and errors still show,
+    Orbax's behalf) and jax's backend probing (an INFO line about TPU backends on every
+    machine without one) are dropped below WARNING; their warnings and errors still show,
     as one line each, without the tracebacks of their worker threads: a failure that
     matters reaches the user as our own one-line message (`user_errors`).
     """
