@@ -30,6 +30,8 @@ setuptools.setup(
         "transformers>=5,<6",
         "tokenizers>=0.20",
         "safetensors>=0.4",
+        # llama.cpp GGUF files (pjit_ppo.models.gguf): header parsing and dequantization.
+        "gguf==0.19.0",
     ],
     extras_require={
         # transformers (PyTorch models) is only needed to check parity and to

@@ -100,10 +100,18 @@ def _load_hf_dataset(path: str, field: str) -> List[str]:
 
 
 def load_tokenizer(path: str):
-    """`transformers.AutoTokenizer.from_pretrained(path)` with one-line errors."""
+    """`transformers.AutoTokenizer.from_pretrained(path)` with one-line errors; for a
+    llama.cpp `.gguf` file, the HF tokenizer built from its vocabulary."""
     if not path:
         raise DataError("no tokenizer given: set data.tokenizer_path (or model.policy_path "
                         "to a directory that holds one)")
+    if path.lower().endswith(".gguf") and os.path.isfile(path):
+        from pjit_ppo.models import gguf
+        try:
+            return gguf.load_tokenizer(path)
+        except Exception as e:  # noqa: BLE001 -- report what could not be read
+            raise DataError(f"{path}: no tokenizer could be built from this GGUF file "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     if not os.path.isdir(path):
         raise DataError(f"{path}: tokenizer directory not found (data.tokenizer_path)")
     import transformers

@@ -128,7 +128,11 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str, **overrides) -> "ModelConfig":
-        """Reads `path/config.json` (or `path` itself if it is a file)."""
+        """Reads `path/config.json` (or `path` itself if it is a file); for a llama.cpp
+        `.gguf` file, the HF config its metadata describes (`gguf.read_hf_config`)."""
+        if str(path).lower().endswith(".gguf"):
+            from pjit_ppo.models import gguf  # imports the gguf package only when needed
+            return cls.from_hf_dict(gguf.read_hf_config(path), **overrides)
         file = path if os.path.isfile(path) else os.path.join(path, "config.json")
         if not os.path.exists(file):
             raise FileNotFoundError(f"no config.json at {file!r}: expected an HF model directory")

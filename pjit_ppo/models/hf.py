@@ -48,7 +48,9 @@ def load_pretrained(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "flo
 
     Args:
       path: directory with `config.json` and `model.safetensors` or
-        `model.safetensors.index.json` (+ the shards it lists).
+        `model.safetensors.index.json` (+ the shards it lists); or a llama.cpp
+        `.gguf` file (`pjit_ppo.models.gguf`: Llama models, tensors dequantized to
+        float32 slice by slice, then converted to `dtype`).
       mesh: device mesh to shard onto (by `param_rules` / `axis_rules`); None puts
         every parameter on the first device.
       dtype: storage dtype of the parameters: "float32" (trainable models),
@@ -61,16 +63,17 @@ def load_pretrained(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "flo
       each leaf a jax.Array of `dtype` with its NamedSharding (or single-device).
 
     Raises:
-      FileNotFoundError: no such directory, no config.json, no weights.
+      FileNotFoundError: no such directory (or GGUF file), no config.json, no weights.
       ModelConfigError: unsupported architecture.
       CheckpointError: a tensor is missing, has the wrong shape or dtype.
     """
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no HF model directory at {path!r} (expected config.json and "
-                                f"{SINGLE_FILE} or {INDEX_FILE})")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"no config.json in {path!r}: an HF model directory needs "
-                                f"config.json and {SINGLE_FILE} or {INDEX_FILE}")
+    if not str(path).lower().endswith(".gguf"):  # GGUF files are checked by their reader
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"no HF model directory at {path!r} (expected config.json "
+                                    f"and {SINGLE_FILE} or {INDEX_FILE})")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"no config.json in {path!r}: an HF model directory needs "
+                                    f"config.json and {SINGLE_FILE} or {INDEX_FILE}")
     try:
         dtype = jax.numpy.dtype(dtype).name
     except TypeError:
@@ -78,7 +81,7 @@ def load_pretrained(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "flo
     if dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {dtype!r}")
     config = ModelConfig.from_pretrained(path, **dict(config_overrides or {}))
-    reader = CheckpointReader(path)
+    reader = checkpoint_reader(path)
     maps = families.get(config.architecture).tensor_maps(config)
     shapes = transformer.param_shapes(config)
     names = _resolve_names(config, reader, maps, shapes)
@@ -98,6 +101,15 @@ def load_pretrained(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "flo
                 leaf.shape, shardings[module][pname],
                 _slice_reader(reader, m, names[(module, pname)], leaf.shape, np_dtype))
     return config, params
+
+
+def checkpoint_reader(path: str):
+    """The tensor reader of a model: `CheckpointReader` for an HF directory, or
+    `gguf.GGUFCheckpoint` (the same interface, HF names) for a `.gguf` file."""
+    if str(path).lower().endswith(".gguf"):
+        from pjit_ppo.models.gguf import GGUFCheckpoint  # the gguf package, only when needed
+        return GGUFCheckpoint(path)
+    return CheckpointReader(path)
 
 
 def make_array_shard_by_shard(shape, sharding, callback) -> jax.Array:
