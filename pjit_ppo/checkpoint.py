@@ -1,13 +1,15 @@
-"""Orbax checkpoints of a PPO run: asynchronous saves, verified completeness, restore onto any mesh.
+"""Orbax checkpoints of a run over named pytrees: asynchronous saves, verified
+completeness, restore onto any mesh. Every stage uses it; it knows no stage.
 
-Layout of WORKDIR/checkpoints/<iteration>/ (one Orbax composite checkpoint):
+Layout of WORKDIR/checkpoints/<step>/ (one Orbax composite checkpoint):
 
-  policy/      the policy parameters, as sharded (restorable alone: evaluation, export)
-  rest/        the other trainable parameters (critic, or the shared trunk's value head)
-  opt_state/   the optimizer state, as sharded
-  train/       kl_coef and iteration (the rest of the TrainState)
-  run/         JSON: the resolved run config, the prompt stream's position, where the
-               frozen models come from (they are rebuilt, never copied into checkpoints)
+  <name>/      one directory per item a stage saves: a pytree of arrays, as sharded
+               (PPO: policy/ rest/ opt_state/ train/, see pjit_ppo/ppo/state_io.py;
+               SFT and reward learning: params/ opt_state/, see pjit_ppo/loop.py);
+               each is restorable alone (evaluation and export read policy/ only)
+  run/         JSON: what the stage needs besides arrays to continue (the resolved
+               config, data positions, the loop's counters, where frozen models come
+               from: they are rebuilt, never copied into checkpoints)
   pjit_ppo_manifest.json
                written after Orbax has committed the checkpoint: every file with its size
                and CRC-32. A checkpoint without it, or whose files do not match it, is
@@ -30,7 +32,7 @@ import json
 import os
 import re
 import zlib
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -39,9 +41,10 @@ from absl import logging
 from pjit_ppo import distributed
 from pjit_ppo.errors import CheckpointError
 from pjit_ppo.config import CheckpointOptions
-from pjit_ppo.ppo.types import TrainState
 
 MANIFEST = "pjit_ppo_manifest.json"
+#: The item holding the run's JSON; no array item may take its name.
+RUN_ITEM = "run"
 #: Files Orbax itself rewrites after the manifest is made (step metadata, commit marker):
 #: not covered by it.
 _UNLISTED = (MANIFEST, "_CHECKPOINT_METADATA", "commit_success.txt")
@@ -104,15 +107,22 @@ def _abstract(tree):
                         tree)
 
 
-def _split_params(params: Dict[str, Any]):
-    return params["policy"], {k: v for k, v in params.items() if k != "policy"}
+def _has_arrays(tree) -> bool:
+    return bool(jax.tree.leaves(tree))
+
+
+def _check_names(items: Mapping[str, Any]) -> None:
+    for name in items:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or name == RUN_ITEM:
+            raise ValueError(f"checkpoint item name {name!r}: use an identifier other than "
+                             f"{RUN_ITEM!r}")
 
 
 class RunCheckpointer:
-    """Saves and restores the TrainState of one run directory.
+    """Saves and restores the named pytrees (items) of one run directory.
 
     Args:
-      workdir: the run directory; checkpoints go to WORKDIR/checkpoints/<iteration>/.
+      workdir: the run directory; checkpoints go to WORKDIR/checkpoints/<step>/.
       options: the config's `checkpoint` section (every, keep, keep_period, async_save).
       read_only: open existing checkpoints only (evaluation, export).
     Raises:
@@ -128,7 +138,7 @@ class RunCheckpointer:
         if read_only:
             if not os.path.isdir(self.directory):
                 raise CheckpointError(f"no checkpoints in {os.path.abspath(workdir)} (expected "
-                                      f"{self.directory}/<iteration>/)")
+                                      f"{self.directory}/<step>/)")
         else:
             self._check_writable()
         self._warn_incomplete()
@@ -219,38 +229,36 @@ class RunCheckpointer:
             json.dump(manifest, f)
         os.replace(tmp, os.path.join(step_dir, MANIFEST))
 
-    def save(self, step: int, state: TrainState, run_info: Dict[str, Any]) -> None:
-        """Saves `state` as checkpoint `step` (asynchronously if configured).
+    def save(self, step: int, items: Mapping[str, Any], run_info: Dict[str, Any]) -> None:
+        """Saves `items` as checkpoint `step` (asynchronously if configured).
 
-        The device arrays are copied to host memory before this returns, so `state`
-        may be donated to the next update right away. The first save of a run is
+        items: {name: pytree of jax.Arrays} (any shapes, dtypes and shardings); each
+        becomes WORKDIR/checkpoints/<step>/<name>/. An item without arrays (an empty
+        dict) is not written, and comes back as its target on restore.
+        run_info: JSON-able dict (resolved config, data positions, loop counters).
+        The device arrays are copied to host memory before this returns, so the arrays
+        may be donated to the next step right away. The first save of a run is
         waited for (errors show at once); later ones complete in the background.
-        run_info: JSON-able dict (resolved config, prompt stream position, frozen model
-        sources).
         Raises CheckpointError when the save (or the previous asynchronous one) fails.
         """
-        policy, rest = _split_params(state.params)
-        items = dict(policy=ocp.args.StandardSave(policy),
-                     opt_state=ocp.args.StandardSave(state.opt_state),
-                     train=ocp.args.StandardSave({"kl_coef": state.kl_coef,
-                                                  "iteration": state.iteration}),
-                     run=ocp.args.JsonSave({"format": FORMAT_VERSION, "step": step,
-                                            **run_info}))
-        if rest:
-            items["rest"] = ocp.args.StandardSave(rest)
+        _check_names(items)
+        args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()
+                if _has_arrays(tree)}
+        args[RUN_ITEM] = ocp.args.JsonSave({"format": FORMAT_VERSION, "step": step,
+                                            **run_info})
         self.wait()  # the previous save, before a new one becomes pending
         first = not self._saved_once
         if first:
-            self._reserve(step, sum(x.nbytes for x in jax.tree.leaves(state)))
+            self._reserve(step, sum(x.nbytes for x in jax.tree.leaves(dict(items))))
         try:
             self._pending = step
-            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
         except Exception as e:  # Orbax/tensorstore raise many types; the user needs one message
             raise CheckpointError(self._failure(step, e)) from e
         self._saved_once = True
         if first or not self.options.async_save:
             # The first save is waited for, so that a full disk or a bad directory shows
-            # at once rather than after the next `every` iterations.
+            # at once rather than after the next `every` steps.
             self.wait()
 
     def wait(self) -> None:
@@ -276,14 +284,14 @@ class RunCheckpointer:
 
     # ------------------------------------------------------------ finding and reading
     def steps(self) -> List[int]:
-        """Committed checkpoint iterations, ascending (verified or not)."""
+        """Committed checkpoint steps, ascending (verified or not)."""
         return sorted(self._manager.all_steps())
 
     def latest_complete(self, set_aside: bool = False) -> Optional[int]:
         """The newest checkpoint that verifies; newer ones that do not are named in a warning.
 
         set_aside: also rename each of those to WORKDIR/checkpoints/corrupt-<step>[-k] (kept
-        for inspection, never deleted), so that the run can save that iteration again.
+        for inspection, never deleted), so that the run can save that step again.
         """
         found = self._latest_complete_here(set_aside) if distributed.is_chief() else None
         found = distributed.broadcast_from_chief(found)
@@ -338,29 +346,30 @@ class RunCheckpointer:
         return self._manager.restore(step, args=ocp.args.Composite(
             run=ocp.args.JsonRestore()))["run"]
 
-    def restore(self, step: int, target: TrainState) -> TrainState:
-        """The full TrainState of checkpoint `step`, placed like `target`.
+    def restore(self, step: int, targets: Mapping[str, Any]) -> Dict[str, Any]:
+        """The items named in `targets` of checkpoint `step`, placed like their targets.
 
-        target: a TrainState of arrays or ShapeDtypeStructs whose shardings are where
-        the restored arrays go (any mesh; nothing is materialised in the saved layout).
+        targets: {name: pytree of arrays or ShapeDtypeStructs} whose shapes, dtypes and
+        shardings say where the restored arrays go (any mesh; nothing is materialised
+        in the saved layout). Items of the checkpoint not named are not read.
+        Returns {name: pytree of jax.Arrays} (an empty target comes back as given).
         """
-        step = self._checked(step)
-        policy, rest = _split_params(_abstract(target.params))
-        items = dict(policy=ocp.args.StandardRestore(policy),
-                     opt_state=ocp.args.StandardRestore(_abstract(target.opt_state)),
-                     train=ocp.args.StandardRestore(_abstract({"kl_coef": target.kl_coef,
-                                                               "iteration": target.iteration})))
-        if rest:
-            items["rest"] = ocp.args.StandardRestore(rest)
-        out = self._manager.restore(step, args=ocp.args.Composite(**items))
-        params = {"policy": out["policy"], **(dict(out["rest"]) if rest else {})}
-        return TrainState(params, out["opt_state"], out["train"]["kl_coef"],
-                          out["train"]["iteration"])
+        return self._restore(self._checked(step), targets)
 
-    def restore_policy(self, step: Optional[int], target) -> Any:
-        """Only the policy parameters of checkpoint `step` (latest complete if None),
-        placed like `target` (no optimizer state is read). Returns (step, params)."""
+    def _restore(self, step: int, targets: Mapping[str, Any]) -> Dict[str, Any]:
+        _check_names(targets)
+        args = {name: ocp.args.StandardRestore(_abstract(tree))
+                for name, tree in targets.items() if _has_arrays(tree)}
+        out = self._manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
+        return {name: out[name] if name in args else tree for name, tree in targets.items()}
+
+    def restore_item(self, step: Optional[int], name: str, target) -> Tuple[int, Any]:
+        """One item of checkpoint `step` (the latest complete one if None), placed like
+        `target` (nothing else is read). Returns (step, pytree of jax.Arrays)."""
         step = self._checked(step)
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            policy=ocp.args.StandardRestore(_abstract(target))))
-        return step, out["policy"]
+        return step, self._restore(step, {name: target})[name]
+
+    def restore_policy(self, step: Optional[int], target) -> Tuple[int, Any]:
+        """`restore_item(step, "policy", target)`: a PPO checkpoint's policy parameters
+        (evaluation, export). Returns (step, params)."""
+        return self.restore_item(step, "policy", target)

@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjit_ppo import checkpoint, distributed, rng, sample_table, sampling, sharding
+from pjit_ppo import (checkpoint, distributed, param_makers, rewards, rng, sample_table,
+                      sampling, sharding)
 from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
-from pjit_ppo.models import assemble, scoring
-from pjit_ppo.rewards import score_responses
 from pjit_ppo.loading import load_lm
-from pjit_ppo.ppo.run import load_reward, make_prompts
+from pjit_ppo.models import assemble, scoring
+from pjit_ppo.ppo.run import make_prompts
+from pjit_ppo.rewards.responses import score_responses
 
 #: Config fields that must equal the checkpoint's: they define the models and the reward.
 MODEL_FIELDS = ("model.", "reward.")
@@ -60,7 +61,9 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
                           initial)
     jax.tree.map(lambda x: x.delete(), initial)
     _, policy = ckpt.restore_policy(step, target)
-    _, reward_fn, reward_params, _ = load_reward(config, mesh)
+    reward = rewards.build(config, param_makers.Loaded(mesh))
+    reward_fn, reward_params = reward.fn, reward.params
+    del reward  # the fp32 trunk (a critic's starting point) is not needed here
 
     temperature = ev.temperature or cfg.temperature
     # Held-out prompts: data.eval_prompts_path (or the training prompts in an order of

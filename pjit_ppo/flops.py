@@ -156,7 +156,7 @@ def forward_flops(model, tokens_per_row: int, context: int, head_tokens: int,
     return trunk + 2.0 * c.d_model * c.vocab_size * head_tokens
 
 
-def ppo_phase_flops(cfg, models, reward_model=None) -> dict[str, float]:
+def ppo_phase_flops(cfg, models, reward_flops: float = 0.0) -> dict[str, float]:
     """Model FLOPs of one PPO iteration: {"rollout": ..., "update": ...} (global batch).
 
     Counts matmul and attention FLOPs (2 per multiply-add) of the work done: the
@@ -169,8 +169,9 @@ def ppo_phase_flops(cfg, models, reward_model=None) -> dict[str, float]:
 
     Args:
       cfg: the PPOConfig; models: the run's PPOModels (policy and critic configs);
-      reward_model: the reward model's ModelConfig, or None for a reward that is a
-        function of tokens.
+      reward_flops: forward FLOPs of scoring one episode with the run's reward (its
+        kind's `flops`, `pjit_ppo.rewards`: a reward model's forward pass, 0 for a
+        function of tokens).
     """
     b, q, r = cfg.batch_size, cfg.query_length, cfg.response_length
     pol = models.policy
@@ -178,9 +179,7 @@ def ppo_phase_flops(cfg, models, reward_model=None) -> dict[str, float]:
     policy_fwd = forward_flops(pol, q + r, q + r, r, last_layer_tokens=r)
     critic_fwd = (0.0 if models.critic is None or not cfg.uses_critic else
                   forward_flops(models.critic, q + r, q + r, 0, last_layer_tokens=r))
-    reward_fwd = (forward_flops(reward_model, q + r, q + r, 0, last_layer_tokens=r + 1)
-                  if reward_model else 0.0)
-    rollout_f = sample + 2 * policy_fwd + critic_fwd + reward_fwd
+    rollout_f = sample + 2 * policy_fwd + critic_fwd + reward_flops
     if not cfg.recompute_rollout_logprobs and not cfg.shared_trunk:
         rollout_f -= policy_fwd
     update_f = 3.0 * cfg.noptepochs * (policy_fwd + critic_fwd)

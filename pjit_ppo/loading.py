@@ -57,10 +57,14 @@ def write_config(config, workdir: str) -> str:
 
 
 def copy_tokenizer(tokenizer_path: str, out_dir: str) -> List[str]:
-    """Copies the tokenizer files of `tokenizer_path` into `out_dir`; returns their names."""
+    """Copies the tokenizer files of `tokenizer_path` (an HF directory) into `out_dir`, or
+    writes the HF tokenizer of a .gguf file there; returns the file names written."""
     copied = []
     if jax.process_index() != 0:  # one writer (the directory may be shared)
         return copied
+    if tokenizer_path.lower().endswith(".gguf"):
+        from pjit_ppo.models import gguf
+        return list(gguf.save_tokenizer(tokenizer_path, out_dir))
     for name in TOKENIZER_FILES:
         src = os.path.join(tokenizer_path, name)
         if os.path.isfile(src):

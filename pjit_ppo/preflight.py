@@ -13,8 +13,14 @@ joined its peers (`pjit_ppo.cli.common.setup_jax`):
   within the config), every path it names (model and reward directories with their
   config.json and safetensors headers, tokenizer, prompt files), whether the work
   directory can be written, and the model's shape against the config (context length,
-  token ids inside the vocabulary, the reward model's vocabulary, the remat policy).
-  Returns the `RunModels` it read, for the second stage.
+  token ids inside the vocabulary, the remat policy, and what the reward kind asks:
+  `pjit_ppo.rewards`, e.g. the reward model's vocabulary). Returns the `RunModels` it
+  read, for the second stage.
+* `check_sft(config, workdir)` / `check_reward_learning(config, workdir)`: the stages
+  before PPO, the same way (config values, work directory, model and tokenizer
+  directories, reward learning's query + response against the context), then every corpus or
+  label record (`DataError` naming the file and line; the CLI prints it as one line and
+  exits 2). They need no devices and start nothing.
 * `check_devices(config, models, device_count)`: the weights' tensor names, shapes and
   dtypes against the models (safetensors headers), the mesh against the devices (the
   product of its axes, each sharded parameter dimension divisible by its mesh axes under
@@ -29,19 +35,27 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
+from pjit_ppo import rewards
 from pjit_ppo.config import ConfigError, RunConfig
 
-__all__ = ["RunModels", "check_train", "check_evaluate", "check_export", "check_devices",
-           "check_weights", "check_workdir", "check_model_dir", "check_readable", "model_config"]
+__all__ = ["RunModels", "check_train", "check_evaluate", "check_export", "check_sft",
+           "check_reward_learning", "check_devices", "check_weights", "check_workdir",
+           "check_model_dir", "check_readable", "model_config"]
 
 
 class RunModels(NamedTuple):
     """The shapes of a run's models (`pjit_ppo.models.ModelConfig`), read from config.json
-    files or model.random; `reward` is None unless reward.kind="model"."""
+    files or model.random.
+
+    reward: the first model the reward kind runs (`RewardKind.models`), None when it
+      runs none (e.g. reward.kind="target_tokens").
+    reward_models: (config field, path, ModelConfig) of every model the reward runs.
+    """
     policy: object
     reward: Optional[object]
+    reward_models: Tuple[Tuple[str, str, object], ...] = ()
 
 
 def _fail(message: str) -> None:
@@ -78,8 +92,12 @@ def check_readable(field: str, path: str, *, directory: Optional[bool] = None,
 
 def check_model_dir(field: str, path: str) -> dict:
     """An HF model directory: config.json that parses, and safetensors weights (their
-    headers are checked by `check_weights`). Returns the config.json dict."""
-    what = "a local HF model directory (config.json + model.safetensors or its index)"
+    headers are checked by `check_weights`); or a llama.cpp .gguf file whose metadata
+    reads. Returns the HF config.json dict."""
+    what = ("a local HF model directory (config.json + model.safetensors or its index) or a "
+            ".gguf file")
+    if path.lower().endswith(".gguf"):
+        return _gguf_config(field, path, what)
     check_readable(field, path, directory=True, what=what)
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -100,6 +118,18 @@ def check_model_dir(field: str, path: str) -> dict:
         _fail(f"{field}={path!r} has no weights: expected {names[0]} or {names[1]}"
               f"{bin_hint}; point it at {what}")
     return hf
+
+
+def _gguf_config(field: str, path: str, what: str) -> dict:
+    """The HF config dict of a .gguf file's metadata (one line naming the field if not)."""
+    check_readable(field, path, directory=False, what=what)
+    from pjit_ppo.errors import CheckpointError
+    from pjit_ppo.models import gguf
+    from pjit_ppo.models.families import ModelConfigError
+    try:
+        return gguf.read_hf_config(path)
+    except (ModelConfigError, CheckpointError, OSError, ValueError) as e:
+        _fail(f"{field}={path!r}: {_first_line(e)}")
 
 
 def check_workdir(workdir: str, field: str = "--workdir", *, must_exist: bool = False) -> None:
@@ -181,8 +211,10 @@ def _check_data_paths(config: RunConfig) -> None:
         check_readable("data.eval_prompts_path", data.eval_prompts_path,
                        what="a JSONL or text file of prompts, or a saved HF dataset directory")
     if data.tokenizer_path:
-        check_readable("data.tokenizer_path", data.tokenizer_path, directory=True,
-                       what="an HF tokenizer directory (tokenizer.json or vocab files)")
+        check_readable("data.tokenizer_path", data.tokenizer_path,
+                       directory=None if _is_gguf(data.tokenizer_path) else True,
+                       what="an HF tokenizer directory (tokenizer.json or vocab files) or "
+                            "a .gguf file")
     elif not config.model.policy_path:
         _fail(f"data.prompts_path={data.prompts_path!r} needs a tokenizer, and "
               f"data.tokenizer_path and model.policy_path are empty: set data.tokenizer_path "
@@ -193,9 +225,8 @@ def check_model_fit(config: RunConfig, models: RunModels) -> None:
     """The config against the models' shapes: context length, token ids, remat policy."""
     ppo = config.ppo
     length = ppo.query_length + ppo.response_length
-    for name, model in (("policy", models.policy), ("reward model", models.reward)):
-        if model is None:
-            continue
+    for name, model in (("policy", models.policy),
+                        *(("reward model", m) for _, _, m in models.reward_models)):
         if length > model.max_positions:
             _fail(f"ppo.query_length={ppo.query_length} + ppo.response_length="
                   f"{ppo.response_length} = {length} tokens exceed the {name}'s context of "
@@ -204,19 +235,11 @@ def check_model_fit(config: RunConfig, models: RunModels) -> None:
     if ppo.truncate_token is not None and not 0 <= ppo.truncate_token < vocab:
         _fail(f"ppo.truncate_token={ppo.truncate_token} is not a token of the policy's "
               f"vocabulary of {vocab}; give a token id in [0, {vocab}) or None")
-    if config.reward.kind == "target_tokens":
-        bad = [t for t in config.reward.target_ids if not 0 <= t < vocab]
-        if bad:
-            _fail(f"reward.target_ids={tuple(config.reward.target_ids)}: {bad} outside the "
-                  f"policy's vocabulary [0, {vocab}); list token ids the policy can emit")
+    rewards.get(config.reward.kind).check_fit(
+        config, models.policy, tuple(m for _, _, m in models.reward_models))
     if not config.data.prompts_path and config.data.low_token >= vocab:
         _fail(f"data.low_token={config.data.low_token} >= the policy's vocabulary size {vocab}: "
               f"random prompts would have no token to draw; lower it")
-    if models.reward is not None and models.reward.vocab_size < vocab:
-        _fail(f"reward.path={config.reward.path!r}: the reward model's vocabulary "
-              f"({models.reward.vocab_size}) is "
-              f"smaller than the policy's ({vocab}), so it cannot read every sampled token; "
-              f"use a reward model trained on the policy's tokenizer")
     policy = config.model.remat_policy
     if policy not in ("none", "full"):
         import jax
@@ -230,15 +253,30 @@ def _check_config(config: RunConfig) -> RunModels:
         _fail(f"the recipe's get_config() returned {type(config).__name__}, not a RunConfig")
     config.validate()
     _check_data_paths(config)
-    paths = [("model.policy_path", config.model.policy_path)]
-    if config.reward.kind == "model":
-        paths.append(("reward.path", config.reward.path))
+    paths = [("model.policy_path", config.model.policy_path),
+             *rewards.get(config.reward.kind).models(config)]
     # Files first (no jax import yet), then the shapes.
     dicts = [_hf_config(config, field, path) for field, path in paths]
     shapes = [model_config(config, field, path, hf) for (field, path), hf in zip(paths, dicts)]
-    models = RunModels(shapes[0], shapes[1] if len(shapes) > 1 else None)
+    reward_models = tuple((field, path, shape)
+                          for (field, path), shape in zip(paths[1:], shapes[1:]))
+    models = RunModels(shapes[0], shapes[1] if len(shapes) > 1 else None, reward_models)
+    _resolve_token_ids(config.ppo, config.data.tokenizer_path or config.model.policy_path,
+                       models.policy.vocab_size, "ppo.")
     check_model_fit(config, models)
     return models
+
+
+def _resolve_token_ids(sequences, tokenizer_path: str, vocab_size: int, prefix: str) -> None:
+    """Ids the config takes from the tokenizer (-1), set in place before they are checked,
+    so the run and its config.json see the ids themselves."""
+    from pjit_ppo.data import special_ids
+    from pjit_ppo.errors import DataError
+    try:
+        special_ids.resolve_from_path(sequences, tokenizer_path, vocab_size=vocab_size,
+                                      prefix=prefix)
+    except DataError as e:
+        _fail(str(e))
 
 
 def check_train(config: RunConfig, workdir: str) -> RunModels:
@@ -262,6 +300,81 @@ def check_export(workdir: str, output: str) -> None:
     check_workdir(output, "--output")
 
 
+# ------------------------------------------------------------------------- other stages
+def _check_stage_config(config, cls_name: str, script: str) -> None:
+    """`config` is the stage's config class (named, to import no stage) and validates."""
+    from pjit_ppo import config as config_lib
+    cls = getattr(config_lib, cls_name)
+    if not isinstance(config, cls):
+        _fail(f"the recipe's get_config() returned {type(config).__name__}; {script} needs a "
+              f"{cls_name} (pjit_ppo/config/)")
+    config.validate()
+
+
+def _check_stage_model(config, field: str, path: str, length: Optional[int] = None,
+                       what: str = "") -> None:
+    """An HF model directory (or model.random when `path` is ""): readable, its shape
+    buildable, and (when given) `length` tokens within its context."""
+    shape = model_config(config, field, path)
+    if length is not None and length > shape.max_positions:
+        source = f"{field}={path!r}" if path else "model.random"
+        _fail(f"{what} of {length} tokens exceed the context of {shape.max_positions} "
+              f"positions of {source}; shorten them or use a model with a longer context")
+
+
+def _is_gguf(path: str) -> bool:
+    return path.lower().endswith(".gguf")
+
+
+def _check_tokenizer_dir(config) -> None:
+    if config.tokenizer_path:
+        check_readable("tokenizer_path", config.tokenizer_path,
+                       directory=None if _is_gguf(config.tokenizer_path) else True,
+                       what="an HF tokenizer directory (tokenizer.json or vocab files) or "
+                            "a .gguf file")
+
+
+def check_sft(config, workdir: Optional[str] = None) -> None:
+    """An SFT launch (`pjit-ppo-sft`): the SFTConfig's values, the work directory, the
+    model and tokenizer directories, and every corpus record (DataError naming file and
+    line). No devices needed."""
+    _check_stage_config(config, "SFTConfig", "train_sft")
+    if workdir is not None:
+        check_workdir(workdir)
+    _check_tokenizer_dir(config)
+    _check_stage_model(config, "model.policy_path", config.model.policy_path)
+    from pjit_ppo.data import corpus
+    fields = dict(fmt=config.data_format, text_field=config.text_field,
+                  prompt_field=config.prompt_field, completion_field=config.completion_field)
+    corpus.load_documents(config.data_path, **fields)
+    if config.eval_path:
+        corpus.load_documents(config.eval_path, **fields)
+
+
+def check_reward_learning(config, workdir: Optional[str] = None) -> None:
+    """A reward-learning launch (`pjit-ppo-reward`): the RewardLearningConfig's values, the
+    work directory, the policy and reward-trunk directories, query + response against
+    their context (as PPO's pre-flight will check them on the same fields), the
+    tokenizer and normalisation prompts, and every label record (DataError naming file
+    and line). No devices needed."""
+    _check_stage_config(config, "RewardLearningConfig", "train_reward")
+    if workdir is not None:
+        check_workdir(workdir)
+    _check_tokenizer_dir(config)
+    length = config.query_length + config.response_length
+    what = "query_length + response_length"
+    _check_stage_model(config, "model.policy_path", config.model.policy_path, length, what)
+    if config.init_path:
+        _check_stage_model(config, "init_path", config.init_path, length, what)
+    if config.norm_prompts_path:
+        check_readable("norm_prompts_path", config.norm_prompts_path,
+                       what="a JSONL or text file of prompts, or a saved HF dataset directory")
+    from pjit_ppo.data import preferences
+    preferences.load_preferences(config.labels_path)
+    if config.test_labels_path:
+        preferences.load_preferences(config.test_labels_path)
+
+
 # ------------------------------------------------------------------------- devices
 def mesh_sizes(config: RunConfig, device_count: int) -> dict:
     """{"data", "fsdp", "tensor"} sizes with -1 resolved; ConfigError if they do not
@@ -283,17 +396,16 @@ def mesh_sizes(config: RunConfig, device_count: int) -> dict:
 
 
 def check_weights(config: RunConfig, models: RunModels) -> None:
-    """Every tensor the models need is in their safetensors files with the shape and a
-    dtype config.json implies (headers only; nothing is read or allocated)."""
+    """Every tensor the models need is in their safetensors (or GGUF) files with the shape
+    and a dtype config.json implies (headers only; nothing is read or allocated)."""
     from pjit_ppo.models import families, hf, param_shapes
     from pjit_ppo.errors import CheckpointError
-    from pjit_ppo.models.safetensors_io import CheckpointReader
     for field, path, model in (("model.policy_path", config.model.policy_path, models.policy),
-                               ("reward.path", config.reward.path, models.reward)):
-        if not path or model is None:
+                               *models.reward_models):
+        if not path:
             continue
         try:
-            hf._resolve_names(model, CheckpointReader(path),  # noqa: SLF001 (the same check)
+            hf._resolve_names(model, hf.checkpoint_reader(path),  # noqa: SLF001 (same check)
                               families.get(model.architecture).tensor_maps(model),
                               param_shapes(model))
         except (OSError, ValueError, CheckpointError) as e:
@@ -327,9 +439,8 @@ def check_devices(config: RunConfig, models: RunModels, device_count: Optional[i
     sizes = mesh_sizes(config, device_count)
     mesh = AbstractMesh(tuple(sizes[a] for a in sharding.MESH_AXES), sharding.MESH_AXES)
     shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    for name, model in (("policy", models.policy), ("reward model", models.reward)):
-        if model is None:
-            continue
+    for name, model in (("policy", models.policy),
+                        *(("reward model", m) for _, _, m in models.reward_models)):
         try:
             sharding.param_specs(param_shapes(model), mesh)
         except sharding.ShardingError as e:

@@ -6,11 +6,11 @@ its per-example (or per-token) losses over the micro-batch, and a dict of float3
 sums whose "weight" entry is what the loss is a sum over (examples, or trained
 tokens). A step sums gradients and stats over the micro-batches (`lax.scan`) and
 divides by the total weight, so the step's gradient is the mean over the whole batch
-whatever the micro-batching, and every metric is a whole-batch mean.
+whatever the micro-batching, and every metric is a whole-batch mean. The loop around
+the step (batches, cadence, checkpoints) is pjit_ppo/loop.py.
 """
 from __future__ import annotations
 
-import zlib
 from typing import Any, Callable, Dict, Tuple
 
 import jax
@@ -54,13 +54,6 @@ def put_batch(mesh: Mesh, tree, batch_dim: int = 0):
         return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P(*spec)),
                                             lambda index: x[index])
     return jax.tree.map(put, tree)
-
-
-def shuffle_order(seed: int, epoch: int, n: int, stage: str = "sft") -> np.ndarray:
-    """The order of the n training rows in `epoch`: a permutation that depends only on
-    (seed, stage, epoch)."""
-    tag = zlib.crc32(stage.encode()) & 0x7FFFFFFF
-    return np.random.default_rng([seed, tag, epoch]).permutation(n)
 
 
 def _zero_stats(loss_fn: LossFn, params, example):

@@ -196,11 +196,38 @@ def test_full_disk_fails_at_the_first_save_with_one_message(tmp_path):
     assert not os.listdir(workdir / "checkpoints")  # Orbax never started writing
 
 
+def test_named_items_round_trip_and_empty_items_are_not_written(tmp_path):
+    """Any stage's state: named pytrees in, the same out; an item without arrays has no
+    directory and comes back as its target; "run" is the JSON's name."""
+    import jax.numpy as jnp
+    from pjit_ppo import checkpoint
+    from pjit_ppo.config import CheckpointOptions
+    items = {"params": {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3, jnp.bfloat16)},
+             "counters": {"step": jnp.int32(7)}, "nothing": {}}
+    ckpt = checkpoint.RunCheckpointer(str(tmp_path), CheckpointOptions(async_save=False))
+    ckpt.save(5, items, {"note": "hello"})
+    step_dir = tmp_path / "checkpoints" / "5"
+    assert {"params", "counters", "run"} <= set(os.listdir(step_dir))
+    assert "nothing" not in os.listdir(step_dir)
+    assert checkpoint.verify(str(step_dir)) is None
+    out = ckpt.restore(5, items)
+    assert out["nothing"] == {}
+    for name in ("params", "counters"):
+        for a, b in zip(jax.tree.leaves(items[name]), jax.tree.leaves(out[name])):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert ckpt.run_info(5)["note"] == "hello"
+    step, counters = ckpt.restore_item(None, "counters", items["counters"])
+    assert step == 5 and int(counters["step"]) == 7
+    with pytest.raises(ValueError, match="checkpoint item name 'run'"):
+        ckpt.save(6, {"run": items["params"]}, {})
+
+
 RESTORE = """
 import importlib.util, sys
 import jax, numpy as np
 from pjit_ppo import checkpoint
-from pjit_ppo.ppo import run
+from pjit_ppo.ppo import run, state_io
 workdir, out, fsdp, tensor, recipe = sys.argv[1:6]
 spec = importlib.util.spec_from_file_location("recipe", recipe)
 module = importlib.util.module_from_spec(spec)
@@ -210,7 +237,8 @@ config.mesh.fsdp, config.mesh.tensor, config.measure_peak = int(fsdp), int(tenso
 state = run.build(config).state
 target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                       state)
-restored = checkpoint.RunCheckpointer(workdir, read_only=True).restore(3, target)
+restored = state_io.from_items(checkpoint.RunCheckpointer(workdir, read_only=True).restore(
+    3, state_io.to_items(target)))
 w = restored.params["policy"]["transformer/layers/attn/q"]["w"]
 assert w.sharding == target.params["policy"]["transformer/layers/attn/q"]["w"].sharding
 np.savez(out, **{jax.tree_util.keystr(p): np.asarray(x)

@@ -100,7 +100,7 @@ def test_package_and_malloc_tuning_import_without_jax():
     lazily) and the tuning module must not import jax."""
     code = ("import sys, pjit_ppo; from pjit_ppo.cli import cpu_malloc; "
             "print('jax' in sys.modules); from pjit_ppo import RunConfig; "
-            "print(RunConfig.__name__)")
+            "print(RunConfig.__name__)")  # RunConfig: the earlier name of PPORunConfig
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
-    assert out == ["False", "RunConfig"]
+    assert out == ["False", "PPORunConfig"]

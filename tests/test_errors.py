@@ -289,3 +289,54 @@ def test_other_entry_points_check_before_starting(script, args, expect, tmp_path
     for fragment in expect:
         assert fragment in lines[0], (fragment, lines[0])
     assert _snapshot(tmp_path) == before
+
+
+def test_reward_directory_without_a_head_is_refused_unless_asked(tmp_path):
+    """A plain language model given as reward.path would score with a random head: refused
+    with the file it lacks and how to make one; reward.allow_random_head=True runs it, with
+    a warning in the log."""
+    import tiny_hf
+    plain = tmp_path / "plain_lm"
+    tiny_hf.save_model("gpt2", str(plain), n_embd=64, vocab_size=64, pad_token_id=63)
+    workdir = tmp_path / "run"
+    _previous_run(workdir)
+    before = _snapshot(workdir)
+    args = (f"--config={runs.TINY}", f"--workdir={workdir}", "--config.reward.kind=model",
+            f"--config.reward.path={plain}", "--config.measure_peak=false")
+    proc = runs.run("train_ppo.py", *args, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    for fragment in (f"reward.path='{plain}'", "no reward_head.safetensors", "pjit-ppo-reward",
+                     "reward.allow_random_head=True"):
+        assert fragment in lines[0], (fragment, lines[0])
+    assert _snapshot(workdir) == before
+    fresh = tmp_path / "smoke"
+    proc = runs.run("train_ppo.py", *args[:1], f"--workdir={fresh}", *args[2:],
+                    "--config.reward.allow_random_head=true", "--config.num_iterations=1",
+                    timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "random reward head" in proc.stderr and "smoke test" in proc.stderr
+
+
+@pytest.mark.parametrize("lines,expect", [
+    ('{"prompt": "the cat sees"}\nnot json\n', "prompts.jsonl:2: not valid JSON"),
+    ('{"prompt": "the cat sees"}\n{"text": "a dog"}\n', "prompts.jsonl:2"),
+], ids=["bad_jsonl_line", "missing_prompt_field"])
+def test_refused_data_leaves_a_fresh_workdir_absent(tmp_path, lines, expect):
+    """A data error found while the run is built (after the launch checks passed) ends
+    with one line and exit 2, and a work directory that did not exist is not left behind
+    (no logs/, no checkpoints/)."""
+    import tiny_text
+    tiny_text.save_tokenizer(str(tmp_path / "tok"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(lines)
+    workdir = tmp_path / "fresh" / "run"
+    proc = runs.run("train_ppo.py", f"--config={runs.TINY}", f"--workdir={workdir}",
+                    f"--config.data.prompts_path={prompts}",
+                    f"--config.data.tokenizer_path={tmp_path / 'tok'}",
+                    "--config.measure_peak=false", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and expect in error[0], proc.stderr[-3000:]
+    assert not (tmp_path / "fresh").exists()  # nor the parent the launch would have made

@@ -17,8 +17,8 @@ import pytest
 from pjit_ppo import config as config_lib
 from pjit_ppo import data, flops, sharding
 from pjit_ppo.config import ConfigError, PPOConfig, RewardOptions, RunConfig
-from pjit_ppo.models import ModelConfig, init_params
-from pjit_ppo.ppo import (PPOModels, PPOTrainer, estimators, make_critic, make_frozen, scoring,
+from pjit_ppo.models import ModelConfig, init_params, scoring
+from pjit_ppo.ppo import (PPOModels, PPOTrainer, estimators, make_critic, make_frozen,
                           target_token_reward)
 
 VOCAB, PAD = 64, 63
@@ -142,10 +142,19 @@ def test_group_size_errors():
 
 
 def test_registry_agrees_with_config():
-    assert tuple(estimators.ESTIMATORS) == config_lib.ADVANTAGE_ESTIMATORS
+    """One table (pjit_ppo.config.estimators): the config's names and the functions."""
+    from pjit_ppo.config import estimators as table
+    assert tuple(estimators.ESTIMATORS) == tuple(table.ESTIMATORS)
+    assert config_lib.ADVANTAGE_ESTIMATORS == tuple(table.ESTIMATORS)
     for name, est in estimators.ESTIMATORS.items():
+        assert est.spec is table.ESTIMATORS[name]
+        assert est.advantages is estimators.get(name).advantages and callable(est.loss)
         assert est.uses_critic == (name not in config_lib.CRITIC_FREE_ESTIMATORS), name
+        assert (est.min_samples_per_prompt >= 2) == (name in config_lib.GROUP_ESTIMATORS), name
         assert est.masks_after_stop == (not est.uses_critic), name
+    from pjit_ppo.ppo import losses
+    assert estimators.get("grpo").loss is losses.grpo_loss
+    assert estimators.get("gae").advantages is estimators.gae_advantages
 
 
 # ---------------------------------------------------------------- validation

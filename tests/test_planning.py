@@ -1,5 +1,9 @@
 """The memory planner, rollout micro-batching, the plan a run logs, and profiling.
 
+The planner assembles a run with the very code the real build runs (on abstract shapes):
+for every reward kind and every estimator layout, its trees, shapes, dtypes, shardings
+and argument bytes equal those the build allocates (no compile needed for that).
+
 The planner's per-device figures are checked against what the compiled programs
 actually hold on CPU: the bytes of every live buffer on device 0 (arguments, outputs
 and the resident state), within TOLERANCE. XLA's temporary bytes cannot be observed
@@ -16,8 +20,10 @@ import numpy as np
 import pytest
 
 import runs
-from pjit_ppo import planning
+from pjit_ppo import memory_analysis, planning, rewards
 from pjit_ppo.config import ModelOptions, PPOConfig, RewardOptions, RunConfig
+from pjit_ppo.config.estimators import ESTIMATORS
+from pjit_ppo.ppo import memory_plan
 from pjit_ppo.ppo import run as run_lib
 from pjit_ppo.ppo.trainer import PPOTrainer
 
@@ -102,6 +108,83 @@ def test_plan_equals_allocation(job_and_plan):
     new_state, _ = trainer.step(copy(state), frozen, query, mask, 0)  # the copy is donated
     assert close(update["output_bytes"], bytes_on(new_state, dev))
     assert update["peak_bytes"] >= bytes_on((new_state, frozen, batch), dev) - SLACK
+
+
+# ---------------------------------------------------------- one assembly, plan == build
+#: Reward options per reward kind (a new kind adds its options here); "model" twice: a
+#: random trunk + head from reward.head_seed, and a reward-model directory read from disk.
+REWARD_CASES = {
+    "model": dict(kind="model"),
+    "model_dir": dict(kind="model", path="<reward_dir>"),
+    "target_tokens": dict(kind="target_tokens", target_ids=(5, 6)),
+}
+
+
+def _layouts():
+    """(name, ppo overrides) for every estimator of the table; a critic two ways."""
+    for name, spec in ESTIMATORS.items():
+        ppo = dict(advantage_estimator=name, samples_per_prompt=spec.min_samples_per_prompt)
+        if spec.uses_critic:
+            yield f"{name}_critic", dict(ppo, shared_trunk=False)
+            yield f"{name}_shared_trunk", dict(ppo, shared_trunk=True)
+        else:
+            yield name, ppo
+
+
+ASSEMBLY_CASES = [(kind, layout, ppo) for kind in REWARD_CASES for layout, ppo in _layouts()]
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tmp_path_factory):
+    """A reward-model directory: a tiny trunk (with its LM head) and a trained-looking head."""
+    from pjit_ppo.models import ModelConfig, heads, init_params, save_pretrained
+    config = tiny_config()
+    model_cfg = ModelConfig.from_hf_dict(dict(config.model.random))
+    params = init_params(model_cfg, jax.random.PRNGKey(3))
+    path = str(tmp_path_factory.mktemp("reward_model"))
+    save_pretrained(path, model_cfg, params)
+    head = heads.init_reward_head(model_cfg.d_model, jax.random.PRNGKey(4))
+    head["reward_head"]["gain"] = jnp.full((), 2.0)
+    heads.save_reward_head(path, head)
+    return path
+
+
+def test_every_reward_kind_has_an_assembly_case():
+    assert set(rewards.KINDS) <= {c["kind"] for c in REWARD_CASES.values()}
+
+
+@pytest.mark.parametrize("kind,layout,ppo", ASSEMBLY_CASES,
+                         ids=[f"{k}-{l}" for k, l, _ in ASSEMBLY_CASES])
+def test_planner_assembles_what_the_build_allocates(kind, layout, ppo, reward_dir):
+    """The planner's abstract run and the real build are one assembly: the same trees,
+    shapes, dtypes and shardings, so the same argument bytes per device, for every
+    reward kind and every estimator layout (nothing is compiled here)."""
+    options = {k: (reward_dir if v == "<reward_dir>" else v)
+               for k, v in REWARD_CASES[kind].items()}
+    critic_init = "reward" if rewards.get(options["kind"]).critic_trunk else "policy"
+    config = tiny_config(critic_init=critic_init, **ppo)
+    config.reward = RewardOptions(**options)
+    config.model.compute_dtype = "bfloat16"  # frozen copies are cast: both ways alike
+    job = run_lib.build(config)
+    abstract = planning.abstract_run(config, job.trainer.mesh)
+    real = (job.state, job.frozen)
+    planned = (abstract.state, abstract.frozen)
+    assert jax.tree.structure(planned) == jax.tree.structure(real)
+    for (path, a), r in zip(jax.tree_util.tree_flatten_with_path(planned)[0],
+                            jax.tree.leaves(real)):
+        assert (a.shape, a.dtype) == (r.shape, r.dtype), jax.tree_util.keystr(path)
+        assert a.sharding.is_equivalent_to(r.sharding, r.ndim), jax.tree_util.keystr(path)
+    dev = jax.devices()[0]
+    query, mask = job.prompts(0)
+    rollout_real = memory_plan.rollout_arguments(job.state, job.frozen, query, mask)
+    rollout_planned = memory_plan.rollout_arguments(abstract.state, abstract.frozen,
+                                                    abstract.query, abstract.query_mask)
+    assert memory_analysis.device_bytes(rollout_planned) == bytes_on(rollout_real, dev)
+    assert memory_analysis.device_bytes(abstract.state) == bytes_on(job.state, dev)
+    assert abstract.trainer.models.policy == job.trainer.models.policy
+    assert abstract.trainer.models.critic == job.trainer.models.critic
+    assert abstract.trainer.flops == job.trainer.flops
+    assert (job.frozen["reward"] is None) == (options["kind"] == "target_tokens")
 
 
 def test_breakdown_counts_each_model(job_and_plan):

@@ -93,3 +93,42 @@ def test_real_run_without_downloads_names_the_missing_path(name, tmp_path, monke
     monkeypatch.chdir(tmp_path)  # the recipes' relative paths resolve against the cwd
     with pytest.raises(ConfigError, match=r"(data\.prompts_path|model\.policy_path)=.*no such "):
         preflight.check_train(load(name), str(tmp_path / "run"))
+
+
+def test_stage_preflights_check_paths_records_and_context(tmp_path):
+    """SFT and reward learning share the pre-flight's conventions: ConfigError for the
+    config, its paths and the work directory, DataError naming file and line, before any
+    model is loaded."""
+    from pjit_ppo.config import ModelOptions, RewardLearningConfig, SFTConfig
+    from pjit_ppo.errors import DataError
+    random = dict(model_type="gpt2", vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                  n_positions=32)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a b c"}\n{"text": "d e"}\n')
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text('{"query": "q", "chosen": "a", "rejected": "b"}\n')
+    sft = SFTConfig(model=ModelOptions(random=random), data_path=str(corpus),
+                    tokenizer_path=str(tmp_path))
+    preflight.check_sft(sft, str(tmp_path / "sft"))
+    rl = RewardLearningConfig(model=ModelOptions(random=random), labels_path=str(labels),
+                              tokenizer_path=str(tmp_path), query_length=8, response_length=8,
+                              truncate_token=None)
+    preflight.check_reward_learning(rl, str(tmp_path / "rl"))
+
+    with pytest.raises(ConfigError, match="returned PPORunConfig; train_sft needs a SFTConfig"):
+        preflight.check_sft(RunConfig(), str(tmp_path / "sft"))
+    (tmp_path / "empty").mkdir()
+    sft.model.policy_path = str(tmp_path / "empty")
+    with pytest.raises(ConfigError, match=r"model\.policy_path=.*empty' has no config.json"):
+        preflight.check_sft(sft, str(tmp_path / "sft"))
+    sft.model.policy_path = ""
+    with pytest.raises(ConfigError, match="--workdir=.*is a file"):
+        preflight.check_sft(sft, str(corpus))
+    corpus.write_text('{"text": "a b c"}\n{"txt": "d e"}\n')
+    with pytest.raises(DataError, match="corpus.jsonl:2: no field 'text'"):
+        preflight.check_sft(sft, str(tmp_path / "sft"))
+    rl.response_length = 30
+    with pytest.raises(ConfigError, match="query_length \\+ response_length of 38 tokens exceed "
+                                          "the context of 32 positions of model.random"):
+        preflight.check_reward_learning(rl, str(tmp_path / "rl"))
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "rl").exists()

@@ -75,7 +75,7 @@ def test_config_errors_name_field():
         RewardLearningConfig(**base).learning_rate = 1.0  # __slots__: a typo fails
 
 
-def _labels(path, n, seed):
+def write_labels(path, n, seed):
     """Best-of-4 labels where the chosen response has the most positive words."""
     r = np.random.default_rng(seed)
     with open(path, "w") as f:
@@ -96,7 +96,7 @@ def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("reward")
     tiny_text.save_tokenizer(str(d / "tok"))
     config = RewardLearningConfig(
-        model=ModelOptions(random=tiny_text.model_random()), labels_path=_labels(
+        model=ModelOptions(random=tiny_text.model_random()), labels_path=write_labels(
             d / "labels.jsonl", 160, 0), tokenizer_path=str(d / "tok"), query_length=6,
         response_length=6, pad_token_id=1, truncate_token=None, batch_size=16,
         gradient_accumulation_steps=2, lr=1e-3, num_epochs=2, norm_samples=256,
@@ -192,6 +192,10 @@ def test_ppo_uses_the_trained_head_and_critic_starts_from_the_reward_model(train
     for name in ("config.json", "model.safetensors"):
         os.link(os.path.join(path, name), plain / name)
     run_config.reward.path = str(plain)
+    # ... which is refused unless the user asks for it (a language model is no reward model).
+    with pytest.raises(ConfigError, match="has no reward_head.safetensors.*pjit-ppo-reward"):
+        load_reward(run_config, mesh)
+    run_config.reward.allow_random_head = True
     _, _, frozen_plain, _ = load_reward(run_config, mesh)
     assert float(frozen_plain["reward_head"]["gain"]) == 1.0
     fresh = heads.init_reward_head(32, jax.random.PRNGKey(123))["reward_head"]
@@ -201,7 +205,7 @@ def test_ppo_uses_the_trained_head_and_critic_starts_from_the_reward_model(train
 
 def test_tokenizer_that_does_not_fit_the_model_fails_before_loading(tmp_path):
     tiny_text.save_tokenizer(str(tmp_path / "tok"))
-    base = dict(labels_path=_labels(tmp_path / "l.jsonl", 40, 1),
+    base = dict(labels_path=write_labels(tmp_path / "l.jsonl", 40, 1),
                 tokenizer_path=str(tmp_path / "tok"), query_length=6, response_length=6,
                 pad_token_id=1, truncate_token=None, batch_size=8)
     small = RewardLearningConfig(model=ModelOptions(random=tiny_text.model_random(

@@ -70,3 +70,58 @@ def test_reward_is_scored_at_the_last_real_token():
         CONFIG, p, query, query_mask, response, response_mask))(params)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert len(set(np.round(np.asarray(got), 4))) == BATCH  # rows really differ
+
+
+# ---------------------------------------------------------------- the reward kinds
+def _run_config(**reward):
+    from pjit_ppo.config import ModelOptions, PPOConfig, RewardOptions, RunConfig
+    return RunConfig(model=ModelOptions(random=dict(model_type="gpt2", vocab_size=64, n_embd=32,
+                                                    n_layer=2, n_head=4, n_positions=64)),
+                     ppo=PPOConfig(query_length=QUERY, response_length=RESPONSE,
+                                   truncate_token=None, critic_init="policy"),
+                     reward=RewardOptions(**reward))
+
+
+def test_reward_kinds_build_their_reward():
+    """Each kind through the registry: the target-token fraction; the reward model's
+    score, frozen copy in the compute dtype, trunk for a critic and FLOPs."""
+    from pjit_ppo import flops, param_makers, rewards, sharding
+    mesh = sharding.make_mesh(1, -1, 1)
+    query, query_mask, response, response_mask = _inputs()
+
+    tokens = rewards.build(_run_config(kind="target_tokens", target_ids=(5, 6)),
+                           param_makers.Loaded(mesh))
+    assert tokens.params is None and tokens.trunk is None and tokens.flops == 0.0
+    want = [np.mean(np.isin(np.asarray(row)[:n], (5, 6))) if n else 0.0
+            for row, n in zip(response, (5, 3, 0, 0))]
+    np.testing.assert_allclose(tokens.fn(None, query, query_mask, response, response_mask),
+                               want, rtol=1e-6)
+
+    config = _run_config(kind="model", head_seed=7)
+    config.model.compute_dtype = "bfloat16"
+    model = rewards.build(config, param_makers.Loaded(mesh))
+    assert model.model.d_model == 32 and "lm_head" not in model.trunk
+    assert {x.dtype for x in jax.tree.leaves(model.trunk)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.bfloat16)}
+    head = heads.init_reward_head(32, jax.random.PRNGKey(7))["reward_head"]
+    np.testing.assert_allclose(model.trunk["reward_head"]["w"], head["w"])
+    got = model.fn(model.trunk, query, query_mask, response, response_mask)
+    want = scoring.sequence_reward(model.model, model.trunk, query, query_mask, response,
+                                   response_mask)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert model.flops == flops.forward_flops(model.model, QUERY + RESPONSE, QUERY + RESPONSE, 0,
+                                              last_layer_tokens=RESPONSE + 1)
+    assert rewards.describe(config).endswith("+ reward head (reward.head_seed=7)")
+
+
+def test_reward_registry_and_config_checks_import_no_jax():
+    """The config's reward check and the pre-flight's kind dispatch run before jax."""
+    import subprocess
+    import sys
+    code = ("import sys; from pjit_ppo import preflight, rewards; "
+            "from pjit_ppo.config import REWARD_KINDS, ModelOptions, RunConfig; "
+            "c = RunConfig(model=ModelOptions(random={'x': 1})); c.ppo.critic_init = 'policy'; "
+            "c.validate(); print(REWARD_KINDS == tuple(rewards.KINDS), 'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["True", "False"]

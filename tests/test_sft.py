@@ -138,3 +138,18 @@ def test_bad_corpus_through_entry_point_is_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "c.jsonl:2: no field 'text'" in lines[0], proc.stderr
     assert not os.path.exists(workdir)
+
+
+def test_epoch_order_is_a_pure_function_of_seed_and_step():
+    """What a resume relies on: the rows of step s do not depend on the steps before."""
+    from pjit_ppo import loop
+    walked = loop.EpochOrder(10, 3, seed=5, tag="sft")
+    rows = [walked.rows(step) for step in range(9)]  # 3 steps per epoch, 3 epochs
+    for step in reversed(range(9)):
+        np.testing.assert_array_equal(loop.EpochOrder(10, 3, 5, "sft").rows(step), rows[step])
+    for epoch in range(3):
+        visited = np.concatenate(rows[3 * epoch:3 * epoch + 3])
+        assert len(set(visited.tolist())) == 9  # 9 of the 10 rows, each once
+    assert not np.array_equal(np.concatenate(rows[:3]), np.concatenate(rows[3:6]))
+    assert not np.array_equal(loop.EpochOrder(10, 3, 6, "sft").rows(0), rows[0])
+    assert not np.array_equal(loop.EpochOrder(10, 3, 5, "reward").rows(0), rows[0])

@@ -139,6 +139,26 @@ def user_errors():
 
 
 @contextlib.contextmanager
+def fresh_workdir_removed_if_refused(workdir: str):
+    """A launch that is refused (exit status 2: a config or data error found while the run
+    is being built) on a work directory that did not exist leaves none behind: what this
+    launch created there (logs/, checkpoints/, and parent directories it made) is
+    removed. An existing work directory is never touched (its logs record the refused
+    launch)."""
+    import shutil
+    created = None  # the outermost directory of the path that does not exist yet
+    path = os.path.abspath(workdir)
+    while not os.path.exists(path):
+        created, path = path, os.path.dirname(path)
+    try:
+        yield
+    except SystemExit as e:
+        if created and e.code == 2 and os.path.isdir(created):
+            shutil.rmtree(created, ignore_errors=True)  # every process: whoever is last
+        raise
+
+
+@contextlib.contextmanager
 def config_errors():
     """A light `user_errors` for the pre-flight checks (`pjit_ppo.preflight`): an invalid
     config or path is one line on stderr and exit status 2, before the heavy imports

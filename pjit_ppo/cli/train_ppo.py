@@ -38,12 +38,14 @@ def main(argv):
     common.setup_jax()  # joins a multi-process run; the devices are known from here on
     with common.config_errors():
         preflight.check_devices(config, models)
-    distributed.log_to_file(os.path.join(workdir, "logs"))  # only once the launch is valid
     from pjit_ppo.ppo import run
-    with common.user_errors():
-        last = run.train(_CONFIG.value, _WORKDIR.value)
+    with common.fresh_workdir_removed_if_refused(workdir):
+        distributed.log_to_file(os.path.join(workdir, "logs"))  # once the launch is valid
+        with common.user_errors():
+            last = run.train(_CONFIG.value, _WORKDIR.value)
     if last:
-        logging.info("final metrics: %s", {k: round(v, 4) for k, v in sorted(last.items())})
+        logging.info("final metrics: %s", {k: round(v, 4) for k, v in sorted(last.items())
+                                           if k != "preempted"})
 
 
 def run_main():

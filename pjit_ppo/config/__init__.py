@@ -21,7 +21,7 @@ from pjit_ppo.config.ppo import (ADVANTAGE_ESTIMATORS, CRITIC_FREE_ESTIMATORS, C
                                  LOSS_AGGREGATIONS, PPOConfig, PPORunConfig, RunConfig)
 from pjit_ppo.config.resume import RESUMABLE_CHANGES, json_round_trip, resume_conflicts
 from pjit_ppo.config.reward import RewardLearningConfig
-from pjit_ppo.config.sections import (COMPUTE_DTYPES, OPTIMIZERS, PROMPT_FORMATS, REWARD_KINDS,
+from pjit_ppo.config.sections import (COMPUTE_DTYPES, FROM_TOKENIZER, OPTIMIZERS, PROMPT_FORMATS, REWARD_KINDS,
                                       TOP_P_MODES, CheckpointOptions, DataOptions, EvalOptions,
                                       MeshConfig, ModelOptions, ProfileOptions, RewardOptions,
                                       SamplingOptions, SequenceOptions)
@@ -34,7 +34,7 @@ __all__ = [
     "SamplingOptions", "SequenceOptions", "MeshConfig", "ModelOptions", "RewardOptions",
     "DataOptions", "CheckpointOptions", "EvalOptions", "ProfileOptions",
     "RESUMABLE_CHANGES", "resume_conflicts", "json_round_trip",
-    "OPTIMIZERS", "TOP_P_MODES", "REWARD_KINDS", "COMPUTE_DTYPES", "PROMPT_FORMATS",
+    "FROM_TOKENIZER", "OPTIMIZERS", "TOP_P_MODES", "REWARD_KINDS", "COMPUTE_DTYPES", "PROMPT_FORMATS",
     "KL_CONTROLLERS", "CRITIC_INITS", "ADVANTAGE_ESTIMATORS", "CRITIC_FREE_ESTIMATORS",
     "GROUP_ESTIMATORS", "LOSS_AGGREGATIONS", "IMPORTANCE_RATIOS", "CORPUS_FORMATS",
     "LR_DECAYS",

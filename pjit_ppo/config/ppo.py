@@ -13,15 +13,17 @@ from pjit_ppo.config.checks import (check_types_and_finiteness, choice, finite_n
 from pjit_ppo.config.sections import (OPTIMIZERS, CheckpointOptions, DataOptions, EvalOptions,
                                       MeshConfig, ModelOptions, ProfileOptions, RewardOptions,
                                       SequenceOptions)
+from pjit_ppo.config.estimators import ESTIMATORS
+from pjit_ppo.rewards import registry as reward_kinds
 
 #: Allowed values of the PPO section's enum-like fields.
 KL_CONTROLLERS = ("adaptive", "fixed")
 CRITIC_INITS = ("reward", "policy")
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
-#: Estimators without a critic (pjit_ppo.ppo.estimators.ESTIMATORS[...].uses_critic False)
+#: The estimators (one table: pjit_ppo/config/estimators.py), those without a critic,
 #: and those whose advantages need at least two samples of each prompt.
-CRITIC_FREE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
-GROUP_ESTIMATORS = ("grpo", "rloo")
+ADVANTAGE_ESTIMATORS = tuple(ESTIMATORS)
+CRITIC_FREE_ESTIMATORS = tuple(n for n, e in ESTIMATORS.items() if not e.uses_critic)
+GROUP_ESTIMATORS = tuple(n for n, e in ESTIMATORS.items() if e.min_samples_per_prompt >= 2)
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "sequence_sum")
 IMPORTANCE_RATIOS = ("token", "sequence")
 
@@ -182,9 +184,10 @@ class PPOConfig(SequenceOptions):
               f"ppo.batch_size={self.batch_size} is not divisible by ppo.samples_per_prompt={g}: "
               f"batch_size counts episodes (prompts x samples), so pick a multiple of "
               f"samples_per_prompt")
-        if name in GROUP_ESTIMATORS:
-            need(g >= 2, f"ppo.advantage_estimator={name!r} compares the samples of a prompt "
-                          f"and needs ppo.samples_per_prompt >= 2 (got {g})")
+        least = ESTIMATORS[name].min_samples_per_prompt
+        if least > 1:
+            need(g >= least, f"ppo.advantage_estimator={name!r} compares the samples of a "
+                             f"prompt and needs ppo.samples_per_prompt >= {least} (got {g})")
         if name in CRITIC_FREE_ESTIMATORS:
             need(not self.shared_trunk,
                   f"ppo.shared_trunk=True puts a value head on the policy, but "
@@ -237,8 +240,10 @@ class PPORunConfig:
               f"data.min_prompt_length={self.data.min_prompt_length} exceeds ppo.query_length="
               f"{self.ppo.query_length}")
         if self.ppo.uses_critic and not self.ppo.shared_trunk and self.ppo.critic_init == "reward":
-            need(self.reward.kind == "model",
-                  f"ppo.critic_init='reward' needs reward.kind='model' (got "
+            kinds = reward_kinds.critic_trunk_kinds()
+            need(self.reward.kind in kinds,
+                  f"ppo.critic_init='reward' needs "
+                  f"{' or '.join(f'reward.kind={k!r}' for k in kinds)} (got "
                   f"{self.reward.kind!r}); use ppo.critic_init='policy' with a synthetic reward")
         return self
 

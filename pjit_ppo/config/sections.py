@@ -7,11 +7,12 @@ from typing import Any, Dict, Optional, Tuple
 
 from pjit_ppo.config.checks import choice, finite_number, int_at_least, need, number_in, positive
 from pjit_ppo.errors import ConfigError
+from pjit_ppo.rewards import registry as reward_kinds
 
 #: Allowed values of the enum-like fields shared by several stages.
 OPTIMIZERS = ("tf_adam", "adam")
 TOP_P_MODES = ("transformers", "lm_human_preferences")
-REWARD_KINDS = ("model", "target_tokens")
+REWARD_KINDS = tuple(reward_kinds.KINDS)  # one module each in pjit_ppo/rewards/
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_FORMATS = ("auto", "jsonl", "text", "hf_dataset")
 
@@ -72,6 +73,11 @@ class SamplingOptions:
                   f"min_new_tokens must be a Python int >= 0, got {self.min_new_tokens!r}")
 
 
+#: pad_token_id / truncate_token value meaning "the tokenizer's own" (`pjit_ppo.loading.
+#: resolve_token_ids` replaces it with the id before anything uses it).
+FROM_TOKENIZER = -1
+
+
 @dataclasses.dataclass(slots=True)
 class SequenceOptions:
     """Query + response sequences and how responses are sampled and cut: the fields the PPO
@@ -80,14 +86,17 @@ class SequenceOptions:
 
     query_length: int = 64               # prompt tokens (left-padded / truncated to this)
     response_length: int = 24            # sampled tokens per episode (always exactly this many)
-    pad_token_id: int = 50259            # pad id of queries and truncated responses
+    pad_token_id: int = 50259            # pad id of queries and truncated responses; -1 =
+    #                                      FROM_TOKENIZER: its pad token, else the first
+    #                                      embedding row past its vocabulary
     # Sampling (in PPO the temperature also divides the logits of every training log-prob).
     temperature: float = 0.7
     top_k: int = 0                       # 0 = off
     top_p: float = 1.0                   # 1.0 = off
     top_p_mode: str = "transformers"     # see SamplingOptions.top_p_mode
     # Post-processing of responses before the reward sees them.
-    truncate_token: Optional[int] = 13   # stop token id (GPT-2 '.'); None disables truncation
+    truncate_token: Optional[int] = 13   # stop token id (GPT-2 '.'); None disables truncation;
+    #                                      -1 = FROM_TOKENIZER: its EOS token
     truncate_after: int = 16             # only stop tokens at index >= this count
 
     def sampling_options(self) -> SamplingOptions:
@@ -99,15 +108,16 @@ class SequenceOptions:
         """Checks the shared fields; `prefix` is how the user types them ("ppo." or "")."""
         for name in ("query_length", "response_length"):
             int_at_least(f"{prefix}{name}", getattr(self, name), 1)
-        int_at_least(f"{prefix}pad_token_id", self.pad_token_id, 0)
+        int_at_least(f"{prefix}pad_token_id", self.pad_token_id, FROM_TOKENIZER,
+                     " (or -1: from the tokenizer)")
         positive(f"{prefix}temperature", self.temperature)
         int_at_least(f"{prefix}top_k", self.top_k, 0, " (0 = off)")
         number_in(f"{prefix}top_p", self.top_p, 0.0, 1.0, " (1.0 = off)", low_open=True)
         choice(f"{prefix}top_p_mode", self.top_p_mode, TOP_P_MODES)
         int_at_least(f"{prefix}truncate_after", self.truncate_after, 0)
         if self.truncate_token is not None:
-            int_at_least(f"{prefix}truncate_token", self.truncate_token, 0,
-                         " (or None: no truncation)")
+            int_at_least(f"{prefix}truncate_token", self.truncate_token, FROM_TOKENIZER,
+                         " (-1: the tokenizer's EOS; None: no truncation)")
             need(self.truncate_after < self.response_length,
                  f"{prefix}truncate_after={self.truncate_after} must be below "
                  f"{prefix}response_length={self.response_length}: a stop token only counts at "
@@ -170,15 +180,13 @@ class RewardOptions:
     kind: str = "target_tokens"       # "model" (a reward model) or "target_tokens" (demo)
     path: str = ""                    # HF directory of the reward trunk ("" = model.random)
     head_seed: int = 0                # reward head init N(0, 1/sqrt(d + 1)) until trained
+    allow_random_head: bool = False   # kind="model": a reward.path without a trained
+    #                                   reward_head.safetensors gets a random head from
+    #                                   head_seed (logged as a warning) instead of an error
     target_ids: Tuple[int, ...] = (5, 6, 7)  # kind="target_tokens": the rewarded token ids
 
     def validate(self) -> "RewardOptions":
-        choice("reward.kind", self.kind, REWARD_KINDS)
-        if self.kind == "target_tokens":
-            need(len(self.target_ids) > 0, "reward.target_ids is empty: list the token ids "
-                                            "the target_tokens reward counts")
-            for i, token in enumerate(self.target_ids):
-                int_at_least(f"reward.target_ids[{i}]", token, 0, " (a token id)")
+        reward_kinds.check(self)  # the kind and its own fields (pjit_ppo/rewards/<kind>.py)
         int_at_least("reward.head_seed", self.head_seed, 0)
         return self
 

@@ -89,7 +89,8 @@ def sft(arg: str = "") -> SFTConfig:
                      eval_path=p["corpus_heldout"], tokenizer_path=p["tokenizer"],
                      seq_length=24, batch_size=64, num_epochs=sizes.sft_epochs, lr=2e-3,
                      warmup_steps=20, lr_decay="cosine", end_lr_fraction=0.05,
-                     weight_decay=0.01, log_every=20, eval_every=100, seed=0)
+                     weight_decay=0.01, log_every=20, eval_every=100, seed=0,
+                     checkpoint=CheckpointOptions(every=200))
 
 
 def reward(arg: str = "") -> RewardLearningConfig:
@@ -103,7 +104,8 @@ def reward(arg: str = "") -> RewardLearningConfig:
         query_length=QUERY_LENGTH, response_length=RESPONSE_LENGTH, pad_token_id=PAD_ID,
         temperature=TEMPERATURE, truncate_token=stop_token_id(workdir), truncate_after=2,
         num_epochs=2, batch_size=32, lr=3e-4, log_every=10, eval_every=40,
-        norm_samples=256, norm_prompts_path=p["prompts_train"], seed=0)
+        norm_samples=256, norm_prompts_path=p["prompts_train"], seed=0,
+        checkpoint=CheckpointOptions(every=200))
 
 
 def ppo(arg: str = "") -> RunConfig:

@@ -202,7 +202,9 @@ def _plot(path: str, metrics: List[dict], gold_curve: Dict[int, float]) -> None:
 
 
 def run(workdir: str, quick: bool = False) -> Dict[str, Any]:
-    """Runs (or finishes) every stage of the demo in `workdir`; returns summary.json's dict."""
+    """Runs (or finishes) every stage of the demo in `workdir`; returns summary.json's dict,
+    or {"preempted": True, "stage": name} when a signal stopped a stage (it saved a
+    checkpoint; the same call finishes the demo)."""
     t0 = time.time()
     sizes = configs.QUICK if quick else configs.FULL
     arg = workdir + (",quick" if quick else "")
@@ -217,6 +219,10 @@ def run(workdir: str, quick: bool = False) -> Dict[str, Any]:
         logging.info("demo stage %d/%d %s ...", number, len(STAGES), stage)
         start = time.time()
         result = dict(RUNNERS[stage](arg, sizes))
+        if result.get("preempted"):  # a signal: the stage saved a checkpoint and returned
+            logging.warning("demo stopped in stage %s by a signal; run the same command to "
+                            "finish it", stage)
+            return {"preempted": True, "stage": stage}
         result["_seconds"] = time.time() - start
         _mark_done(directory, _json_ready(result))
         info[stage] = _read_done(directory)

@@ -14,18 +14,25 @@ from pjit_ppo import sharding
 from pjit_ppo.models import heads
 
 
+def copy_fn(dtype=None):
+    """tree -> a copy of every leaf, floating ones cast to `dtype` (None: kept); the
+    function `_copy` jits (and the planner traces for its shapes)."""
+    dtype = None if dtype is None else jnp.dtype(dtype)
+
+    def cast(x):
+        return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) \
+            else x
+    return lambda tree: jax.tree.map(lambda x: jnp.copy(cast(x)), tree)
+
+
 def _copy(tree, dtype=None):
     """A jitted copy (new buffers, same shardings), optionally cast to `dtype`.
 
     New buffers matter: the train state is donated every update, so a frozen
     model must never share buffers with a trainable one.
     """
-    def cast(x):
-        return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) \
-            else x
     shardings = jax.tree.map(lambda x: x.sharding, tree)
-    return jax.jit(lambda t: jax.tree.map(lambda x: jnp.copy(cast(x)), t),
-                   out_shardings=shardings)(tree)
+    return jax.jit(copy_fn(dtype), out_shardings=shardings)(tree)
 
 
 def trunk_only(lm_params: dict) -> dict:

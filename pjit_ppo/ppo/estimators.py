@@ -2,8 +2,11 @@
 
 An estimator is chosen by `ppo.advantage_estimator`: a function that turns an
 `Experience` into advantages (the second half of the rollout program) and the
-loss the update differentiates (`pjit_ppo.ppo.losses`). Adding an estimator means
-adding one `Estimator` entry to `ESTIMATORS`; the trainer does not change.
+loss the update differentiates (`pjit_ppo.ppo.losses`). The estimators are listed once,
+in the jax-free table `pjit_ppo.config.estimators.ESTIMATORS` (the config validates
+against it before jax starts); `ESTIMATORS` here holds the functions it names. Adding
+an estimator: its function here (or in a new module) and one line in that table; the
+trainer does not change.
 
   "gae"           PPO (Ziegler et al. 2019): per-token rewards -kl_coef * (logp -
                   ref_logp) with the score added at the last token, optionally whitened
@@ -32,6 +35,7 @@ so they are right under jit whichever devices hold a group's rows.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable, Dict, Optional, Tuple
 
 import jax
@@ -39,7 +43,8 @@ import jax.numpy as jnp
 
 from pjit_ppo import padding
 from pjit_ppo.config import PPOConfig
-from pjit_ppo.ppo import losses
+from pjit_ppo.config.estimators import ESTIMATORS as ESTIMATOR_SPECS
+from pjit_ppo.config.estimators import EstimatorSpec
 from pjit_ppo.ppo.masked import masked_mean, masked_var
 from pjit_ppo.ppo.types import Experience
 
@@ -315,38 +320,35 @@ def reinforce_pp_estimator(cfg: PPOConfig, exp: Experience, kl_coef: jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class Estimator:
-    """One advantage estimator and the loss that goes with it.
+    """One advantage estimator: its spec (`pjit_ppo.config.estimators.EstimatorSpec`:
+    uses_critic, min_samples_per_prompt, kl_in_reward, masks_after_stop, loss_uses_ref
+    read through) and the functions the spec names.
 
     advantages: (cfg, Experience, kl_coef) -> (advantages [B, R], returns [B, R] or None,
       metrics).
     loss: (cfg, models, params, RolloutBatch micro-batch) -> (scalar loss, stats).
-    uses_critic: whether the run builds and trains a critic (values in Experience and
-      RolloutBatch, a value loss). Must agree with `pjit_ppo.config.CRITIC_FREE_ESTIMATORS`.
-    kl_in_reward: the KL penalty with the controller's coefficient is part of the reward
-      (the controller adapts it and `objective/kl_coef` is logged); otherwise the KL
-      coefficient state is left unchanged.
-    masks_after_stop: only the tokens up to and including the stop token count
-      (`Experience.mask`); otherwise every response token does (the reference rule).
-    loss_uses_ref: the loss needs the reference log-probs (`RolloutBatch.ref_logprobs`).
     """
+    spec: EstimatorSpec
     advantages: Callable
     loss: Callable
-    uses_critic: bool
-    kl_in_reward: bool = True
-    masks_after_stop: bool = False
-    loss_uses_ref: bool = False
+
+    def __getattr__(self, name):  # the spec's facts, e.g. `estimator.uses_critic`
+        if name == "spec":  # not set yet (copying, unpickling)
+            raise AttributeError(name)
+        return getattr(self.spec, name)
 
 
+def _function(path: str) -> Callable:
+    """The function a spec names as "module:function"."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+#: ppo.advantage_estimator -> Estimator, in the order of the spec table (the one list
+#: of estimators: pjit_ppo.config.estimators.ESTIMATORS; add an estimator there).
 ESTIMATORS: Dict[str, Estimator] = {
-    "gae": Estimator(advantages=gae_advantages, loss=losses.clipped_ppo_loss, uses_critic=True),
-    "grpo": Estimator(advantages=grpo_estimator, loss=losses.grpo_loss, uses_critic=False,
-                      kl_in_reward=False, masks_after_stop=True, loss_uses_ref=True),
-    "rloo": Estimator(advantages=rloo_estimator, loss=losses.policy_gradient_loss,
-                      uses_critic=False, masks_after_stop=True),
-    "reinforce_pp": Estimator(advantages=reinforce_pp_estimator,
-                              loss=losses.policy_gradient_loss, uses_critic=False,
-                              masks_after_stop=True),
-}
+    name: Estimator(spec, _function(spec.advantages), _function(spec.loss))
+    for name, spec in ESTIMATOR_SPECS.items()}
 
 
 def get(name: str) -> Estimator:

@@ -12,37 +12,24 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from pjit_ppo import checkpoint, data, distributed, flops, metrics as metrics_lib, sharding
+from pjit_ppo import (checkpoint, data, distributed, flops, memory_analysis,
+                      metrics as metrics_lib, param_makers, rewards, sharding)
 from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
-from pjit_ppo.loading import device_memory_limit, lm_config, load_lm, write_config
-from pjit_ppo.models import assemble, heads
-from pjit_ppo.rewards import model_reward_fn, target_token_reward
+from pjit_ppo.data import special_ids
+from pjit_ppo.loading import device_memory_limit, lm_config, write_config
+from pjit_ppo.ppo import memory_plan
+from pjit_ppo.ppo.assembly import assemble
 from pjit_ppo.ppo.trainer import PPOTrainer
-from pjit_ppo.ppo.types import PPOModels, PromptFn, TrainState
+from pjit_ppo.ppo.types import PromptFn, TrainState
+from pjit_ppo.ppo import state_io
 from pjit_ppo.sample_table import SampleTable
 
 
 def load_reward(config: RunConfig, mesh):
-    """The run's reward: (reward ModelConfig or None, RewardFn, frozen reward params or None,
-    fp32 reward trunk + head or None).
-
-    reward.path may be a reward-model directory (pjit_ppo.reward's output): its
-    trained head (with the normalisation's gain and bias, heads.REWARD_HEAD_FILE) is
-    used. A plain HF LM directory (or "" = model.random) gets a random head from
-    reward.head_seed.
-    """
-    if config.reward.kind != "model":
-        return None, target_token_reward(tuple(config.reward.target_ids)), None, None
-    model_cfg, trunk = load_lm(config.model, config.reward.path, mesh, config.ppo.seed + 1)
-    head = (heads.load_reward_head(config.reward.path, model_cfg.d_model)
-            if config.reward.path else None)
-    if head is None:
-        head = heads.init_reward_head(model_cfg.d_model,
-                                      jax.random.PRNGKey(config.reward.head_seed))
-    reward = assemble.trunk_only(trunk)
-    reward.update(jax.device_put(head, sharding.replicated(mesh)))
-    frozen = assemble.make_frozen(reward, model_cfg.compute_dtype)
-    return model_cfg, model_reward_fn(model_cfg), frozen, reward
+    """The run's reward (`pjit_ppo.rewards.build`) as (reward ModelConfig or None, RewardFn,
+    frozen reward params or None, fp32 reward trunk + head or None)."""
+    reward = rewards.build(config, param_makers.Loaded(mesh))
+    return reward.model, reward.fn, reward.params, reward.trunk
 
 
 class Job(NamedTuple):
@@ -60,42 +47,30 @@ class Job(NamedTuple):
 
 
 def build(config: RunConfig) -> Job:
-    """Validates `config` and builds the mesh, the four models, the trainer and the prompts."""
-    config.validate()
+    """Validates `config` and builds the mesh, the prompts, and the models, trainer and
+    state (`pjit_ppo.ppo.assembly`, the assembly the memory planner runs on shapes)."""
+    resolve_token_ids(config)
     ppo_cfg = config.ppo
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     # Prompts first: a bad file or tokenizer is reported before any weight is loaded.
     prompts = make_prompts(config, mesh, lm_config(config.model, config.model.policy_path)
                            .vocab_size)
-    policy_cfg, policy = load_lm(config.model, config.model.policy_path, mesh, ppo_cfg.seed)
-    frozen: Dict[str, Any] = {"ref": assemble.make_frozen(policy, policy_cfg.compute_dtype)}
-
-    # `reward` (fp32 trunk + head) is also the critic's starting point.
-    reward_model_cfg, reward_fn, frozen["reward"], reward = load_reward(config, mesh)
-
-    if not ppo_cfg.uses_critic:  # a critic-free estimator: nothing to build, train or save
-        params = {"policy": policy}
-        critic_cfg = None
-    elif ppo_cfg.shared_trunk:
-        params = {"policy": policy,
-                  **jax.device_put(heads.init_value_head(policy_cfg.d_model),
-                                   sharding.replicated(mesh))}
-        critic_cfg = None
-    else:
-        source, critic_cfg = ((reward, reward_model_cfg)
-                              if ppo_cfg.critic_init == "reward" else (policy, policy_cfg))
-        params = {"policy": policy,
-                  "critic": assemble.make_critic(source, critic_cfg.d_model, mesh)}
-
-    models = PPOModels(policy=policy_cfg, critic=critic_cfg, reward_fn=reward_fn)
     peak = flops.measure_matmul_peak_flops() * jax.device_count() if config.measure_peak else None
-    trainer = PPOTrainer(ppo_cfg, models, mesh, num_updates=config.num_updates,
-                         reward_model=reward_model_cfg, peak_flops=peak)
-    state = trainer.init_state(params)
+    run = assemble(config, param_makers.Loaded(mesh), peak_flops=peak)
     prompts_position = getattr(prompts, "position", None) or functools.partial(
         _synthetic_position, ppo_cfg.seed)
 
-    return Job(trainer, state, frozen, prompts, config.num_updates, prompts_position)
+    return Job(run.trainer, run.state, run.frozen, prompts, config.num_updates,
+               prompts_position)
+
+
+def resolve_token_ids(config: RunConfig) -> None:
+    """Validates `config` and sets the ids it takes from the tokenizer (ppo.pad_token_id /
+    ppo.truncate_token = -1) in place; the launch pre-flight has done so already."""
+    config.validate()
+    vocab = lm_config(config.model, config.model.policy_path).vocab_size
+    special_ids.resolve_from_path(config.ppo, tokenizer_path(config), vocab_size=vocab,
+                                  prefix="ppo.")
 
 
 def tokenizer_path(config: RunConfig) -> str:
@@ -138,16 +113,7 @@ def frozen_sources(config: RunConfig) -> Dict[str, str]:
     """Where the frozen models come from (recorded in checkpoints instead of their weights)."""
     policy = (config.model.policy_path
               or f"random init (ppo.seed={config.ppo.seed}, model.random)")
-    if config.reward.kind == "model":
-        trunk = config.reward.path or "random init (ppo.seed + 1, model.random)"
-        if config.reward.path and os.path.exists(
-                os.path.join(config.reward.path, heads.REWARD_HEAD_FILE)):
-            reward = f"{trunk} (a trained reward model: trunk + its reward head)"
-        else:
-            reward = f"{trunk} + reward head (reward.head_seed={config.reward.head_seed})"
-    else:
-        reward = f"target_tokens {list(config.reward.target_ids)}"
-    return {"reference": f"the initial policy: {policy}", "reward": reward}
+    return {"reference": f"the initial policy: {policy}", "reward": rewards.describe(config)}
 
 
 def _resume_point(config: RunConfig, checkpointer: checkpoint.RunCheckpointer) -> int:
@@ -211,20 +177,20 @@ class _Preemption:
 
 def log_memory_plan(job: Job, state: TrainState) -> Dict[str, Any]:
     """Compiles both phases (the first iteration reuses them: no second compile) and logs
-    the memory plan, one line per phase (pjit_ppo.planning); warns when it will not fit."""
-    from pjit_ppo import planning
+    the memory plan, one line per phase (`pjit_ppo.ppo.memory_plan`); warns when it will
+    not fit."""
     cfg = job.trainer.cfg
     shape = (cfg.prompts_per_iteration, cfg.query_length)
     job.trainer.compile(state, job.frozen, jax.ShapeDtypeStruct(shape, jnp.int32),
                         jax.ShapeDtypeStruct(shape, jnp.bool_))
     limit = device_memory_limit()
-    plan = planning.trainer_plan(job.trainer, state, job.frozen, limit)
-    for phase in planning.PHASES:
-        logging.info(planning.phase_line(phase, plan["phases"][phase], limit))
+    plan = memory_plan.trainer_plan(job.trainer, state, job.frozen, limit)
+    for phase in memory_plan.PHASES:
+        logging.info(memory_analysis.phase_line(phase, plan["phases"][phase], limit))
     if plan["fits"] is False:
         logging.warning("the memory plan's peak (%s) exceeds the device memory (%s): this run "
                         "will run out of memory; see `pjit-ppo-plan` for the breakdown",
-                        planning.gb(plan["peak_bytes"]), planning.gb(limit))
+                        memory_analysis.gb(plan["peak_bytes"]), memory_analysis.gb(limit))
     return plan
 
 
@@ -236,9 +202,10 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
     metrics.jsonl keeps one line per iteration and the run continues exactly. SIGTERM or
     SIGINT ends the current iteration, saves, and returns normally.
 
-    Returns the last iteration's metrics ({} when there was nothing left to run).
+    Returns the last iteration's metrics ({} when there was nothing left to run), with
+    "preempted": True added when a signal stopped the run (a checkpoint was saved).
     """
-    config.validate()
+    resolve_token_ids(config)
     checkpointer = checkpoint.RunCheckpointer(workdir, config.checkpoint)
     start = _resume_point(config, checkpointer)
     job = build(config)  # may still refuse the data or the weights: config.json waits for it
@@ -250,7 +217,7 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                              sharding=x.sharding), state)
         jax.tree.map(lambda x: x.delete(), state)  # free the fresh state before reading
-        state = checkpointer.restore(start, target)
+        state = state_io.from_items(checkpointer.restore(start, state_io.to_items(target)))
         logging.info("resuming from checkpoint %d (%s)", start,
                      os.path.join(checkpointer.directory, str(start)))
     dropped = metrics_lib.truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), start)
@@ -277,8 +244,9 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
     saved = {"step": start}
 
     def save(step, state):
-        checkpointer.save(step, state, {**run_info, "iteration": step,
-                                        "prompt_stream": job.prompts_position(step)})
+        checkpointer.save(step, state_io.to_items(state),
+                          {**run_info, "iteration": step,
+                           "prompt_stream": job.prompts_position(step)})
         saved["step"] = step
 
     def after_iteration(it, state, metrics):
@@ -321,4 +289,4 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
     finally:
         profiler.close()
         writer.close()
-    return last
+    return {**last, "preempted": True} if stopping["agreed"] else last

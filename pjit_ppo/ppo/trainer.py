@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from pjit_ppo import flops as flops_lib
 from pjit_ppo import metrics as metrics_lib
-from pjit_ppo import distributed, rng, sharding
+from pjit_ppo import distributed, param_makers, rng, sharding
 from pjit_ppo.config import PPOConfig
 from pjit_ppo.errors import NonFiniteError
 from pjit_ppo.optim import make_optimizer
@@ -80,13 +80,14 @@ class PPOTrainer:
       mesh: the device mesh; params passed in must already be sharded on it.
       num_updates: the run length in iterations; the learning rate anneals over it.
       optimizer: defaults to `make_ppo_optimizer(cfg, num_updates)`.
-      reward_model: the reward model's ModelConfig, only for FLOP accounting.
+      reward_flops: forward FLOPs of scoring one episode with the run's reward
+        (`pjit_ppo.rewards.Reward.flops`), only for FLOP accounting.
       peak_flops: device peak FLOP/s (global) for MFU; None leaves MFU out.
     """
 
     def __init__(self, cfg: PPOConfig, models: PPOModels, mesh: Mesh, *, num_updates: int,
                  optimizer: Optional[optax.GradientTransformation] = None,
-                 reward_model=None, peak_flops: Optional[float] = None):
+                 reward_flops: float = 0.0, peak_flops: Optional[float] = None):
         cfg = copy.deepcopy(cfg).validate()
         if not cfg.uses_critic:
             if models.critic is not None:
@@ -108,7 +109,7 @@ class PPOTrainer:
         self.cfg, self.models, self.mesh = cfg, models, mesh
         self.num_updates = int(num_updates)
         self.optimizer = optimizer or make_ppo_optimizer(cfg, self.num_updates)
-        self.flops = flops_lib.ppo_phase_flops(cfg, models, reward_model)
+        self.flops = flops_lib.ppo_phase_flops(cfg, models, reward_flops)
         self.peak_flops = peak_flops
         self._rollout = None
         self._update = None
@@ -121,15 +122,20 @@ class PPOTrainer:
         self._samples_fn = None
 
     # ------------------------------------------------------------ state
-    def init_state(self, params) -> TrainState:
-        """TrainState from sharded trainable params; optimizer state sharded like them."""
+    def init_state(self, params, make=None) -> TrainState:
+        """TrainState from sharded trainable params; optimizer state sharded like them.
+
+        make: a `pjit_ppo.param_makers` maker; the default makes arrays on the mesh,
+        `Abstract(mesh)` (with abstract params) the state's ShapeDtypeStructs.
+        """
+        make = make or param_makers.Loaded(self.mesh)
         param_sh = jax.tree.map(lambda x: x.sharding, params)
         opt_shapes = jax.eval_shape(self.optimizer.init, params)
         opt_sh = sharding.opt_state_shardings(self.optimizer, param_sh, opt_shapes, self.mesh)
-        opt_state = jax.jit(self.optimizer.init, out_shardings=opt_sh)(params)
+        opt_state = make.compute(self.optimizer.init, opt_sh, params)
         rep = sharding.replicated(self.mesh)
-        return TrainState(params, opt_state, jax.device_put(kl_init(self.cfg), rep),
-                          jax.device_put(jnp.zeros((), jnp.int32), rep))
+        return TrainState(params, opt_state, make.put(lambda: kl_init(self.cfg), rep),
+                          make.put(lambda: jnp.zeros((), jnp.int32), rep))
 
     # ------------------------------------------------------------ compiled phases
     def compile(self, state: TrainState, frozen, query: jax.Array, query_mask: jax.Array

@@ -27,17 +27,18 @@ Writes into WORKDIR:
                    normalisation after training), normalization/mean_after,
                    normalization/std_after (held-out samples, after it)
   tensorboard/     the same scalars
+  checkpoints/<step>/  params/ (trunk + head, its gain and bias as normalised so far),
+                   opt_state/, run/ every checkpoint.every steps and at the end (after
+                   the final normalisation; pjit_ppo/loop.py): the same command resumes
+                   exactly; SIGTERM / SIGINT finish the step, save and exit 0
   reward_model/    the reward-model directory (pjit_ppo/reward/model.py): HF config.json
                    + model.safetensors, reward_head.safetensors, reward_model.json,
                    tokenizer files. PPO uses it with reward.kind="model",
                    reward.path=WORKDIR/reward_model.
-There is no mid-run checkpoint: a stopped run is started again.
 """
 from __future__ import annotations
 
-import math
 import os
-import time
 from typing import Any, Dict
 
 import jax
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from pjit_ppo import metrics as metrics_lib, optim, sharding, supervised
+from pjit_ppo import loop, optim, sharding, supervised
 from pjit_ppo.config import ConfigError
 from pjit_ppo.data import preferences
 from pjit_ppo.errors import DataError
@@ -152,19 +153,19 @@ def _with_head(params, head, mesh):
 
 
 def train(config: RewardLearningConfig, workdir: str) -> Dict[str, Any]:
-    """Trains a reward model; writes WORKDIR/{config.json, metrics.jsonl, tensorboard/,
-    reward_model/} (module docstring).
+    """Trains (or resumes training) a reward model; writes WORKDIR/{config.json,
+    metrics.jsonl, tensorboard/, checkpoints/, reward_model/} (module docstring).
 
     Returns the final metrics: train/loss, train/accuracy (last log window), test/loss,
     test/accuracy (end), test/accuracy_initial (before training), the normalization/*
-    values that were measured, "steps", and "reward_model_dir" (the output directory).
-    Raises ConfigError / DataError before any compile for bad values or labels, and
-    NonFiniteError if the loss stops being finite.
+    values that were measured, "steps", and "reward_model_dir" (the output directory);
+    after a SIGTERM / SIGINT only {"preempted": True, "steps": steps done} (a
+    checkpoint was saved; the same call continues). Raises ConfigError / DataError
+    before any compile for bad values or labels (or a resume with another config or
+    labels), and NonFiniteError if the loss or gradient stops being finite.
     """
     from pjit_ppo.data.prompts import check_tokenizer, load_tokenizer
-    from pjit_ppo.loading import lm_config, write_config
-    from pjit_ppo.errors import NonFiniteError
-    from pjit_ppo.loading import copy_tokenizer
+    from pjit_ppo.loading import copy_tokenizer, lm_config, write_config
 
     config.validate()
     train_records, test_records = _split_labels(config)
@@ -182,6 +183,11 @@ def train(config: RewardLearningConfig, workdir: str) -> Dict[str, Any]:
                      for path in (config.reward_init_path, config.model.policy_path))
     check_tokenizer(tokenizer, path=tokenizer_path, vocab_size=vocab_size,
                     pad_id=config.pad_token_id, stop_token=config.truncate_token)
+    train_arrays = _arrays(train_set, config.pad_token_id)
+    test_arrays = _arrays(test_set, config.pad_token_id)
+    checkpoints = loop.Checkpoints(workdir, config, {
+        "training": loop.fingerprint(train_arrays), "held-out": loop.fingerprint(test_arrays),
+        "normalisation prompt": loop.fingerprint({"query": norm_queries})})
     reward_cfg, params, lm_head, policy_cfg, policy = _load_models(config, mesh)
     write_config(config, workdir)
 
@@ -195,83 +201,61 @@ def train(config: RewardLearningConfig, workdir: str) -> Dict[str, Any]:
     def loss_fn(p, batch):
         sums = loss_sums(reward_cfg, p, batch)
         return sums["loss"], sums
-    step_fn = supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh)
     eval_fn = supervised.make_eval_step(loss_fn, mesh)
     sampler = NormSampler(config, policy_cfg, policy, reward_cfg, mesh, norm_queries)
-    gas = config.gradient_accumulation_steps
-    micro = config.batch_size // gas
-    train_arrays = _arrays(train_set, config.pad_token_id)
-    test_arrays = _arrays(test_set, config.pad_token_id)
-    writer = metrics_lib.make_writers(workdir, total, console_keys=CONSOLE_KEYS,
-                                      tensorboard=config.tensorboard)
-    result: Dict[str, Any] = {}
+    micro = config.batch_size // config.gradient_accumulation_steps
 
-    def test(step):
+    def test(params):
         stats = supervised.evaluate(eval_fn, params, mesh, supervised.padded_batches(
             test_arrays, micro, "weight"))
-        out = {"test/loss": stats["loss"], "test/accuracy": stats["accuracy"]}
-        writer.write(step, out)
-        return out
+        return {"test/loss": stats["loss"], "test/accuracy": stats["accuracy"]}
 
-    def normalize(step, round_, label):
-        nonlocal params
+    def normalize(params, round_, label):
+        """params with the head set from a measurement (round_), and its metric line."""
         mean, std = sampler.measure(params, round_)
         head = normalized_head(params["reward_head"], mean, std, config.norm_target_mean,
                                config.norm_target_std)
-        params = _with_head(params, head, mesh)
-        out = {f"normalization/mean_{label}": mean, f"normalization/std_{label}": std}
-        writer.write(step, out)
-        result.update(out)
+        return (_with_head(params, head, mesh),
+                {f"normalization/mean_{label}": mean, f"normalization/std_{label}": std})
 
+    def before(params):
+        if not config.normalize_before:
+            return params, []
+        params, line = normalize(params, 0, "before")
+        return params, [line]
+
+    def after(params):
+        if not config.normalize_after:
+            return params, []
+        params, trained = normalize(params, 1, "trained")
+        mean, std = sampler.measure(params, 2)  # fresh samples: how well it worked
+        return params, [trained, {"normalization/mean_after": mean,
+                                  "normalization/std_after": std}]
+
+    stage = loop.Stage(
+        name="reward learning", mesh=mesh,
+        step_fn=supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh),
+        train_arrays=train_arrays, batch_size=config.batch_size,
+        micro_batches=config.gradient_accumulation_steps, seed=config.seed,
+        shuffle_tag="reward", total_steps=total,
+        train_metrics=(("train/loss", "loss"), ("train/accuracy", "accuracy"),
+                       ("train/grad_norm", "grad_norm")),
+        lr=lambda _, opt_state: float(jax.device_get(optim.current_lr(opt_state))),
+        evaluate=test, log_every=config.log_every, eval_every=config.eval_every,
+        console_keys=CONSOLE_KEYS, begin=before, finish=after)
     logging.info("reward learning: %d training labels (%d responses each), %d held out, "
                  "%d steps of %d", len(train_set), train_set.responses.shape[1],
                  len(test_set), total, config.batch_size)
-    try:
-        if config.normalize_before:
-            normalize(0, 0, "before")
-        result["test/accuracy_initial"] = test(0)["test/accuracy"]
-        window: Dict[str, float] = {}
-        last_test: Dict[str, float] = {}
-        t0 = time.perf_counter()
-        order = np.zeros(0, np.int64)
-        for step in range(total):
-            epoch, k = divmod(step, steps_per_epoch)
-            if k == 0:
-                order = supervised.shuffle_order(config.seed, epoch, len(train_set), "reward")
-            rows = order[k * config.batch_size:(k + 1) * config.batch_size]
-            batch = {name: a[rows].reshape((gas, micro) + a.shape[1:])
-                     for name, a in train_arrays.items()}
-            params, opt_state, m = step_fn(params, opt_state,
-                                           supervised.put_batch(mesh, batch, batch_dim=1))
-            m = {name: float(v) for name, v in jax.device_get(m).items()}
-            if not math.isfinite(m["loss"]):
-                raise NonFiniteError(f"train/loss = {m['loss']} at step {step + 1}: lower lr "
-                                     f"or set max_grad_norm")
-            lr = float(jax.device_get(optim.current_lr(opt_state)))
-            for name, value in (("train/loss", m["loss"]), ("train/accuracy", m["accuracy"]),
-                                ("train/grad_norm", m["grad_norm"])):
-                window[name] = window.get(name, 0.0) + value
-            window["n"] = window.get("n", 0) + 1
-            done = step + 1
-            if done % config.log_every == 0 or done == total:
-                n = window.pop("n")
-                line = {name: v / n for name, v in window.items()}
-                line["train/lr"] = lr
-                line["time/step_s"] = (time.perf_counter() - t0) / n
-                writer.write(done, line)
-                result.update({k2: line[k2] for k2 in ("train/loss", "train/accuracy")})
-                window, t0 = {}, time.perf_counter()
-            if done == total or (config.eval_every and done % config.eval_every == 0):
-                last_test = test(done)
-        result.update(last_test)
-        if config.normalize_after:
-            normalize(total, 1, "trained")
-            mean, std = sampler.measure(params, 2)
-            after = {"normalization/mean_after": mean, "normalization/std_after": std}
-            writer.write(total, after)
-            result.update(after)
-    finally:
-        writer.close()
+    out = loop.fit(stage, params, opt_state, workdir=workdir, checkpoints=checkpoints,
+                   tensorboard=config.tensorboard)
+    if out.preempted:
+        return {"preempted": True, "steps": out.steps}
+    progress = out.progress
+    result: Dict[str, Any] = dict(progress.begun)
+    result["test/accuracy_initial"] = progress.first_eval["test/accuracy"]
+    result.update({k: progress.last_train[k] for k in ("train/loss", "train/accuracy")})
+    result.update(progress.last_eval)
+    result.update(progress.finished)
 
     out_dir = os.path.join(workdir, REWARD_MODEL_DIR)
     info = {"format": "pjit_ppo reward model", "query_length": config.query_length,
@@ -279,7 +263,7 @@ def train(config: RewardLearningConfig, workdir: str) -> Dict[str, Any]:
             "labels_path": config.labels_path, "num_labels": len(train_set),
             "responses_per_label": int(train_set.responses.shape[1]), "steps": total,
             "metrics": {k: v for k, v in result.items() if isinstance(v, float)}}
-    save_reward_model(out_dir, reward_cfg, params, lm_head, info, dtype=config.save_dtype)
+    save_reward_model(out_dir, reward_cfg, out.params, lm_head, info, dtype=config.save_dtype)
     copy_tokenizer(tokenizer_path, out_dir)
     logging.info("reward model saved to %s (held-out accuracy %.3f)", out_dir,
                  result.get("test/accuracy", float("nan")))

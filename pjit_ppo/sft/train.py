@@ -17,15 +17,16 @@ Writes into WORKDIR:
                      tokens per step) every log_every steps, and test/loss,
                      test/perplexity at step 0, every eval_every steps and at the end
   tensorboard/       the same scalars
+  checkpoints/<step>/  params/, opt_state/, run/ every checkpoint.every steps and at the
+                     end (pjit_ppo/loop.py): the same command resumes exactly; SIGTERM /
+                     SIGINT finish the step, save and exit 0
   model/             HF model directory (config.json + model.safetensors), loadable by
                      pjit_ppo.load_pretrained and transformers, plus the tokenizer's files
-There is no mid-run checkpoint: a stopped SFT run is started again.
 """
 from __future__ import annotations
 
 import math
 import os
-import time
 from typing import Any, Dict
 
 import jax
@@ -34,7 +35,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from pjit_ppo import metrics as metrics_lib, sharding, supervised
+from pjit_ppo import loop, sharding, supervised
 from pjit_ppo.config import ConfigError
 from pjit_ppo.data import corpus
 from pjit_ppo.errors import DataError
@@ -44,7 +45,7 @@ from pjit_ppo.config import SFTConfig
 
 #: The output model directory inside the work directory.
 MODEL_DIR = "model"
-#: Files of an HF tokenizer directory copied next to the saved model.
+#: The metrics on the console line.
 CONSOLE_KEYS = ("train/loss", "test/loss", "train/lr")
 
 
@@ -151,18 +152,25 @@ def _check_sizes(config: SFTConfig, mesh, n_train: int, vocab_size: int, tokeniz
                         f"tokenizer")
 
 
+def _data_fingerprints(train_rows, eval_rows) -> Dict[str, str]:
+    return {name: loop.fingerprint(rows._asdict())
+            for name, rows in (("training", train_rows), ("held-out", eval_rows))}
+
+
 def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
-    """Runs SFT; writes WORKDIR/{config.json, metrics.jsonl, tensorboard/, model/}.
+    """Runs (or resumes) SFT; writes WORKDIR/{config.json, metrics.jsonl, tensorboard/,
+    checkpoints/, model/}.
 
     Returns {"train/loss": mean of the last log window, "test/loss": held-out loss at
     the end, "test/loss_initial": held-out loss before training, "test/perplexity",
-    "steps": optimizer steps, "model_dir": the saved HF directory}.
-    Raises ConfigError / DataError before any compile for bad values or data, and
-    NonFiniteError if the training loss stops being finite.
+    "steps": optimizer steps, "model_dir": the saved HF directory}; after a SIGTERM /
+    SIGINT only {"preempted": True, "steps": steps done} (a checkpoint was saved; the
+    same call continues). Raises ConfigError / DataError before any compile for bad
+    values or data (or a resume with another config or data), and NonFiniteError if
+    the training loss or gradient stops being finite.
     """
     from pjit_ppo.data.prompts import load_tokenizer
     from pjit_ppo.loading import copy_tokenizer, lm_config, load_lm, write_config
-    from pjit_ppo.errors import NonFiniteError
 
     config.validate()
     tokenizer_path = config.tokenizer_path or config.model.policy_path
@@ -177,6 +185,7 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     vocab_size = lm_config(config.model, config.model.policy_path).vocab_size
     _check_sizes(config, mesh, len(train_rows), vocab_size, tokenizer, tokenizer_path)
+    checkpoints = loop.Checkpoints(workdir, config, _data_fingerprints(train_rows, eval_rows))
     model_cfg, params = load_lm(config.model, config.model.policy_path, mesh, config.seed)
     write_config(config, workdir)
 
@@ -186,67 +195,38 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
     schedule = lr_schedule(config, total)
     opt_state = supervised.init_opt_state(optimizer, params, mesh)
     loss_fn = _loss_fn(model_cfg)
-    step_fn = supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh)
     eval_fn = supervised.make_eval_step(loss_fn, mesh)
-    eval_arrays = {"ids": eval_rows.ids, "mask": eval_rows.mask,
-                   "loss_mask": eval_rows.loss_mask}
-    eval_batch = config.batch_size // config.gradient_accumulation_steps
+    eval_arrays = eval_rows._asdict()
+    micro = config.batch_size // config.gradient_accumulation_steps
 
-    def held_out(step):
+    def held_out(params):
         stats = supervised.evaluate(eval_fn, params, mesh, supervised.padded_batches(
-            eval_arrays, eval_batch, "loss_mask"))
-        out = {"test/loss": stats["loss"], "test/perplexity": math.exp(min(stats["loss"], 50))}
-        writer.write(step, out)
-        return out
+            eval_arrays, micro, "loss_mask"))
+        return {"test/loss": stats["loss"], "test/perplexity": math.exp(min(stats["loss"], 50))}
 
-    gas, micro = config.gradient_accumulation_steps, eval_batch
-    writer = metrics_lib.make_writers(workdir, total, console_keys=CONSOLE_KEYS,
-                                      tensorboard=config.tensorboard)
+    stage = loop.Stage(
+        name="SFT", mesh=mesh,
+        step_fn=supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh),
+        train_arrays=train_rows._asdict(), batch_size=config.batch_size,
+        micro_batches=config.gradient_accumulation_steps, seed=config.seed, shuffle_tag="sft",
+        total_steps=total,
+        train_metrics=(("train/loss", "loss"), ("train/grad_norm", "grad_norm"),
+                       ("train/tokens", "weight")),
+        lr=lambda step, _: float(schedule(step)), evaluate=held_out,
+        log_every=config.log_every, eval_every=config.eval_every, console_keys=CONSOLE_KEYS)
     logging.info("SFT: %d training rows, %d held-out, %d steps of %d rows (%d tokens each)",
                  len(train_rows), len(eval_rows), total, config.batch_size, config.seq_length)
-    try:
-        initial = held_out(0)
-        final_eval = initial
-        window: Dict[str, float] = {}
-        last_train: Dict[str, float] = {}
-        order = np.zeros(0, np.int64)
-        t0 = time.perf_counter()
-        for step in range(total):
-            epoch, k = divmod(step, steps_per_epoch)
-            if k == 0:
-                order = supervised.shuffle_order(config.seed, epoch, len(train_rows))
-            rows = train_rows.take(order[k * config.batch_size:(k + 1) * config.batch_size])
-            batch = {name: getattr(rows, name).reshape(gas, micro, -1)
-                     for name in ("ids", "mask", "loss_mask")}
-            params, opt_state, m = step_fn(params, opt_state,
-                                           supervised.put_batch(mesh, batch, batch_dim=1))
-            m = {k2: float(v) for k2, v in jax.device_get(m).items()}
-            if not math.isfinite(m["loss"]):
-                raise NonFiniteError(f"train/loss = {m['loss']} at step {step + 1}: lower lr "
-                                     f"or set max_grad_norm")
-            for name, value in (("train/loss", m["loss"]), ("train/grad_norm", m["grad_norm"]),
-                                ("train/tokens", m["weight"])):
-                window[name] = window.get(name, 0.0) + value
-            window["n"] = window.get("n", 0) + 1
-            done = step + 1
-            if done % config.log_every == 0 or done == total:
-                n = window.pop("n")
-                last_train = {k2: v / n for k2, v in window.items()}
-                last_train["train/lr"] = float(schedule(step))
-                last_train["time/step_s"] = (time.perf_counter() - t0) / n
-                writer.write(done, last_train)
-                window, t0 = {}, time.perf_counter()
-            if done == total or (config.eval_every and done % config.eval_every == 0):
-                final_eval = held_out(done)
-    finally:
-        writer.close()
-
+    out = loop.fit(stage, params, opt_state, workdir=workdir, checkpoints=checkpoints,
+                   tensorboard=config.tensorboard)
+    if out.preempted:
+        return {"preempted": True, "steps": out.steps}
+    initial, final = out.progress.first_eval, out.progress.last_eval
     out_dir = os.path.join(workdir, MODEL_DIR)
-    save_pretrained(out_dir, model_cfg, params, dtype=config.save_dtype)
+    save_pretrained(out_dir, model_cfg, out.params, dtype=config.save_dtype)
     copy_tokenizer(tokenizer_path, out_dir)
     logging.info("SFT: held-out loss %.4f -> %.4f; model saved to %s", initial["test/loss"],
-                 final_eval["test/loss"], out_dir)
-    return {"train/loss": last_train.get("train/loss", float("nan")),
-            "test/loss": final_eval["test/loss"], "test/loss_initial": initial["test/loss"],
-            "test/perplexity": final_eval["test/perplexity"], "steps": total,
+                 final["test/loss"], out_dir)
+    return {"train/loss": out.progress.last_train.get("train/loss", float("nan")),
+            "test/loss": final["test/loss"], "test/loss_initial": initial["test/loss"],
+            "test/perplexity": final["test/perplexity"], "steps": total,
             "model_dir": out_dir}

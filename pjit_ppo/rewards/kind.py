@@ -1,0 +1,70 @@
+"""What a reward kind is: the interface each module of `pjit_ppo.rewards` fills in.
+
+A reward kind (`reward.kind`) is one module that builds a `RewardKind` from its own
+functions; `pjit_ppo.rewards.registry` maps the kind's name to it. This module, the
+registry and every kind module import no jax at module level: the config check and
+the pre-flight (`pjit_ppo.preflight`) run before jax is imported, so a kind imports
+jax (and the models) inside the functions that need it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional, Tuple
+
+
+class Reward(NamedTuple):
+    """A built reward: what a run scores its responses with.
+
+    fn: a RewardFn (`pjit_ppo.rewards.responses.RewardFn`): (params, query int32 [B, Q],
+      query_mask bool [B, Q], response int32 [B, R] (truncated), response_mask bool
+      [B, R]) -> float32 scores [B].
+    params: the frozen parameters `fn` reads (a pytree in the compute dtype, sharded
+      on the mesh; or jax.ShapeDtypeStructs with shardings when built abstractly),
+      or None when it reads none.
+    model: the architecture (`ModelConfig`) of the model `fn` runs, or None.
+    trunk: the fp32 trunk + reward head of that model, the critic's starting point
+      with ppo.critic_init="reward"; None when the kind has none (`critic_trunk`).
+    flops: forward FLOPs of scoring one episode (query_length + response_length
+      tokens), for MFU; 0 for a function of tokens.
+    """
+    fn: Callable
+    params: Any
+    model: Optional[Any]
+    trunk: Optional[dict]
+    flops: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardKind:
+    """One reward kind: the functions the config, the pre-flight, the build, the planner
+    and the checkpoints ask of it. `config` is the run config (its `reward` section
+    holds the kind's options), `options` that section alone.
+
+    name: the value of reward.kind.
+    check(options): the options' own values (jax-free); raises ConfigError naming the
+      field, the value and the fix. The kind's name is checked by the registry.
+    models(config) -> ((field, path), ...): the language models the reward runs, each
+      named by its config field and its directory ("" = random init from
+      model.random). The pre-flight reads their config.json and safetensors headers
+      and checks their shapes against the mesh and the sequence length.
+    check_fit(config, policy, models): the options against the shapes (jax-free):
+      `policy` the policy's ModelConfig, `models` the ModelConfigs of `models(options)`
+      in order. Raises ConfigError.
+    build(config, make) -> Reward: the reward on `make`'s mesh. `make` is a
+      `pjit_ppo.param_makers` maker: real arrays for a run, abstract shapes with
+      shardings for the planner (the same code path, so the plan cannot drift).
+    flops(config, model) -> float: forward FLOPs of scoring one episode (`model`: the
+      Reward's model or None); `build` fills Reward.flops with it.
+    describe(config) -> str: where the frozen parameters come from (written into each
+      checkpoint's run/ JSON instead of the weights).
+    critic_trunk: whether `build` returns a trunk the critic may start from
+      (ppo.critic_init="reward" is refused for kinds without one).
+    """
+    name: str
+    check: Callable[[Any], None]
+    models: Callable[[Any], Tuple[Tuple[str, str], ...]]
+    check_fit: Callable[[Any, Any, Tuple[Any, ...]], None]
+    build: Callable[[Any, Any], Reward]
+    flops: Callable[[Any, Optional[Any]], float]
+    describe: Callable[[Any], str]
+    critic_trunk: bool = False
