@@ -15,13 +15,15 @@ from typing import Any, Dict, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from pjit_ppo import (checkpoint, distributed, param_makers, rewards, rng, sample_table,
                       sampling, sharding)
 from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
+from pjit_ppo.config.sections import DEFAULT_EVAL_PROMPTS
 from pjit_ppo.loading import load_lm
 from pjit_ppo.models import assemble, scoring
-from pjit_ppo.ppo.run import make_prompts
+from pjit_ppo.ppo.run import make_prompts, resolve_token_ids
 from pjit_ppo.rewards.responses import score_responses
 
 #: Config fields that must equal the checkpoint's: they define the models and the reward.
@@ -43,13 +45,43 @@ def win_rate(policy_scores: np.ndarray, reference_scores: np.ndarray) -> float:
     return float(np.mean((p > r) + 0.5 * (p == r)))
 
 
+def _eval_prompts(config: RunConfig, mesh, vocab_size: int):
+    """(PromptFn, number of prompts, size of the prompt set or None for random prompts).
+
+    evaluation.num_prompts=0: the held-out set once (rounded down to a multiple of the
+    batch devices), at most DEFAULT_EVAL_PROMPTS. A larger explicit number than the
+    set holds repeats prompts, with a warning (and `prompts_repeat` in eval.json)."""
+    ev = config.evaluation
+    wanted = ev.num_prompts or DEFAULT_EVAL_PROMPTS
+
+    def build(n):
+        return make_prompts(config, mesh, vocab_size, purpose="eval_prompts", seed=ev.seed,
+                            batch_size=n)
+    prompts = build(wanted)
+    texts = getattr(prompts, "texts", None)
+    set_size = len(texts) if texts is not None else None
+    if set_size is None or wanted <= set_size:
+        return prompts, wanted, set_size
+    devices = mesh.shape["data"] * mesh.shape["fsdp"]  # the batch axes
+    whole = set_size // devices * devices
+    if ev.num_prompts == 0 and whole > 0:
+        logging.info("evaluation: the %d held-out prompts%s", whole,
+                     f" of {set_size} (a multiple of {devices} batch devices)"
+                     if whole < set_size else "")
+        return build(whole), whole, set_size
+    logging.warning("evaluation: %d prompts from a set of %d: prompts repeat (set "
+                    "evaluation.num_prompts=0 to use each once)", wanted, set_size)
+    return prompts, wanted, set_size
+
+
 def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dict[str, Any]:
     """Evaluates checkpoint `step` (latest complete when None) of the run in `workdir`.
 
-    Returns the eval.json dict: checkpoint_step, num_prompts, reward_mean, reward_std,
-    reference_reward_mean, kl_mean, win_rate_vs_reference, temperature, greedy.
+    Returns the eval.json dict: checkpoint_step, num_prompts, prompt_set_size,
+    prompts_repeat, reward_mean, reward_std, reference_reward_mean, kl_mean,
+    win_rate_vs_reference, temperature, greedy.
     """
-    config.validate()
+    resolve_token_ids(config)
     ckpt = checkpoint.RunCheckpointer(workdir, config.checkpoint, read_only=True)
     step, run_info = ckpt.resolve(step)
     _check_matches(run_info["config"], config, step)
@@ -68,8 +100,7 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
     temperature = ev.temperature or cfg.temperature
     # Held-out prompts: data.eval_prompts_path (or the training prompts in an order of
     # their own), or random tokens from their own stream.
-    prompts = make_prompts(config, mesh, policy_cfg.vocab_size, purpose="eval_prompts",
-                           seed=ev.seed, batch_size=ev.num_prompts)
+    prompts, num_prompts, set_size = _eval_prompts(config, mesh, policy_cfg.vocab_size)
     query, query_mask = prompts(0)
     policy_key, reference_key = jax.random.split(rng.stream_key(ev.seed, "eval_sample", step))
 
@@ -95,7 +126,9 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
     response, ref_response, scores, ref_scores, kl = (distributed.host_array(x) for x in out)
     result = {
         "checkpoint_step": step,
-        "num_prompts": ev.num_prompts,
+        "num_prompts": num_prompts,
+        "prompt_set_size": set_size,  # None: random token prompts
+        "prompts_repeat": set_size is not None and num_prompts > set_size,
         "reward_mean": float(scores.mean()),
         "reward_std": float(scores.std()),
         "reference_reward_mean": float(ref_scores.mean()),
@@ -121,7 +154,7 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
         return tokenizer.decode([int(t) for t in row if t != cfg.pad_token_id])
 
     with open(os.path.join(out_dir, "samples.jsonl.tmp"), "w") as f:
-        for i in range(ev.num_prompts):
+        for i in range(num_prompts):
             f.write(json.dumps({
                 "prompt": shown(q[i][m[i]], truncate=False),
                 "policy_response": shown(response[i]),

@@ -16,7 +16,7 @@ joined its peers (`pjit_ppo.cli.common.setup_jax`):
   token ids inside the vocabulary, the remat policy, and what the reward kind asks:
   `pjit_ppo.rewards`, e.g. the reward model's vocabulary). Returns the `RunModels` it
   read, for the second stage.
-* `check_sft(config, workdir)` / `check_reward_learning(config, workdir)`: the stages
+* `check_sft(config, workdir)` / `check_reward_learning` / `check_dpo`: the stages
   before PPO, the same way (config values, work directory, model and tokenizer
   directories, reward learning's query + response against the context), then every corpus or
   label record (`DataError` naming the file and line; the CLI prints it as one line and
@@ -41,7 +41,7 @@ from pjit_ppo import rewards
 from pjit_ppo.config import ConfigError, RunConfig
 
 __all__ = ["RunModels", "check_train", "check_evaluate", "check_export", "check_sft",
-           "check_reward_learning", "check_devices", "check_weights", "check_workdir",
+           "check_reward_learning", "check_dpo", "check_plan", "check_devices", "check_weights", "check_workdir",
            "check_model_dir", "check_readable", "model_config"]
 
 
@@ -248,11 +248,12 @@ def check_model_fit(config: RunConfig, models: RunModels) -> None:
                   f"jax.checkpoint_policies (e.g. 'dots_saveable')")
 
 
-def _check_config(config: RunConfig) -> RunModels:
+def _check_config(config: RunConfig, *, data: bool = True) -> RunModels:
     if not isinstance(config, RunConfig):
         _fail(f"the recipe's get_config() returned {type(config).__name__}, not a RunConfig")
     config.validate()
-    _check_data_paths(config)
+    if data:
+        _check_data_paths(config)
     paths = [("model.policy_path", config.model.policy_path),
              *rewards.get(config.reward.kind).models(config)]
     # Files first (no jax import yet), then the shapes.
@@ -286,6 +287,12 @@ def check_train(config: RunConfig, workdir: str) -> RunModels:
     """
     check_workdir(workdir)
     return _check_config(config)
+
+
+def check_plan(config: RunConfig) -> RunModels:
+    """A planner launch (`pjit-ppo-plan`): the config and every model it names (their
+    config.json gives the shapes it plans); prompts are not read, so not checked."""
+    return _check_config(config, data=False)
 
 
 def check_evaluate(config: RunConfig, workdir: str) -> RunModels:
@@ -369,6 +376,24 @@ def check_reward_learning(config, workdir: Optional[str] = None) -> None:
     if config.norm_prompts_path:
         check_readable("norm_prompts_path", config.norm_prompts_path,
                        what="a JSONL or text file of prompts, or a saved HF dataset directory")
+    from pjit_ppo.data import preferences
+    preferences.load_preferences(config.labels_path)
+    if config.test_labels_path:
+        preferences.load_preferences(config.test_labels_path)
+
+
+def check_dpo(config, workdir: Optional[str] = None) -> None:
+    """A DPO launch (`pjit-ppo-dpo`): the DPOConfig's values, the work directory, the
+    policy (and reference) directory, query + response against its context, the
+    tokenizer, and every label record (DataError naming file and line). No devices
+    needed."""
+    _check_stage_config(config, "DPOConfig", "train_dpo")
+    if workdir is not None:
+        check_workdir(workdir)
+    _check_tokenizer_dir(config)
+    _check_stage_model(config, "model.policy_path", config.model.policy_path,
+                       config.query_length + config.response_length,
+                       "query_length + response_length")
     from pjit_ppo.data import preferences
     preferences.load_preferences(config.labels_path)
     if config.test_labels_path:

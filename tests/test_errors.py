@@ -267,8 +267,9 @@ def test_config_json_is_written_only_after_build(tmp_path):
 @pytest.mark.parametrize("script,args,expect", [
     ("evaluate.py", ("--config={tiny}", "--workdir={missing}"),
      ("--workdir=", "no such directory", "the --workdir it was trained with")),
-    ("evaluate.py", ("--config={tiny}", "--workdir={inputs}", "--config.evaluation.num_prompts=0"),
-     ("evaluation.num_prompts=0", ">= 1")),
+    ("evaluate.py", ("--config={tiny}", "--workdir={inputs}",
+                     "--config.evaluation.num_prompts=-1"),
+     ("evaluation.num_prompts=-1", ">= 0")),
     ("export_hf.py", ("--workdir={missing}", "--output={inputs}/out"),
      ("--workdir=", "no such directory")),
     ("export_hf.py", ("--workdir={inputs}", "--output={plain_file}"),

@@ -78,6 +78,11 @@ def start_distributed() -> bool:
         sys.exit(1)
 
 
+#: Library warnings that describe what we asked for, never a problem: Orbax warns that a
+#: checkpoint manager opened read-only (evaluation, export) is read-only.
+EXPECTED_LIBRARY_WARNINGS = ("read_only=True", "directory is read only")
+
+
 def quiet_library_info_logs(prefixes=("/orbax/", "/asyncio/", "/jax/_src/xla_bridge.py")
                             ) -> None:
     """Keeps the console for our progress lines and our error messages.
@@ -86,12 +91,15 @@ def quiet_library_info_logs(prefixes=("/orbax/", "/asyncio/", "/jax/_src/xla_bri
     Orbax's behalf) and jax's backend probing (an INFO line about TPU backends on every
     machine without one) are dropped below WARNING; their warnings and errors still show,
     as one line each, without the tracebacks of their worker threads: a failure that
-    matters reaches the user as our own one-line message (`user_errors`).
+    matters reaches the user as our own one-line message (`user_errors`). Warnings
+    that only restate what we asked for (EXPECTED_LIBRARY_WARNINGS) are dropped.
     """
     def keep(record):
         if not any(p in record.pathname for p in prefixes):
             return True
         if record.levelno < std_logging.WARNING:
+            return False
+        if any(n in str(record.msg) for n in EXPECTED_LIBRARY_WARNINGS):
             return False
         record.exc_info, record.exc_text, record.stack_info = None, None, None
         record.msg, record.args = str(record.getMessage()).splitlines()[0][:300], ()

@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from pjit_ppo.cli import common
+from pjit_ppo.cli import common, flag_errors
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (get_config).")
 _DEVICES = flags.DEFINE_integer("devices", 0, "Devices to plan for (0 = all the default "
@@ -50,6 +50,9 @@ def plan_devices(n: int):
 
 def main(argv):
     common.no_extra_args(argv)
+    from pjit_ppo import preflight
+    with common.config_errors():  # the launch checks of training, before jax: one line, exit 2
+        preflight.check_plan(_CONFIG.value)
     if _DEVICES.value > 0:
         fake_cpu_devices(_DEVICES.value)
     common.setup_jax()
@@ -83,4 +86,4 @@ def main(argv):
 
 def run_main():
     """The console script."""
-    app.run(main)
+    app.run(main, flags_parser=flag_errors.parse_flags)

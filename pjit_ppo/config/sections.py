@@ -247,18 +247,25 @@ class CheckpointOptions:
         return self
 
 
+#: Evaluation prompts when evaluation.num_prompts is 0 and no smaller prompt set limits them.
+DEFAULT_EVAL_PROMPTS = 256
+
+
 @dataclasses.dataclass(slots=True)
 class EvalOptions:
     """Evaluation of a checkpoint (launch/evaluate.py): held-out prompts, both policies."""
 
-    num_prompts: int = 256            # evaluation prompts (from their own random stream)
+    num_prompts: int = 0              # evaluation prompts (from their own random stream);
+    #                                   0 = the held-out prompt set once, at most 256 (256
+    #                                   random prompts without a prompt file); more than the
+    #                                   set holds repeats prompts (eval.json says so)
     temperature: float = 0.0          # sampling temperature; 0 = ppo.temperature
     greedy: bool = False              # argmax decoding instead of sampling
     seed: int = 0                     # seed of the evaluation prompts and samples
 
     def validate(self) -> "EvalOptions":
-        need(isinstance(self.num_prompts, int) and self.num_prompts >= 1,
-              f"evaluation.num_prompts={self.num_prompts!r} must be an integer >= 1")
+        int_at_least("evaluation.num_prompts", self.num_prompts, 0,
+                     " (0: the held-out set once, at most 256)")
         finite_number("evaluation.temperature", self.temperature)
         need(self.temperature >= 0, f"evaluation.temperature={self.temperature} must be > 0, "
                                      f"or 0 for ppo.temperature")
