@@ -49,6 +49,7 @@ setuptools.setup(
             "pjit-ppo-plan = pjit_ppo.cli.plan:run_main",
             "pjit-ppo-sft = pjit_ppo.cli.train_sft:run_main",
             "pjit-ppo-reward = pjit_ppo.cli.train_reward:run_main",
+            "pjit-ppo-dpo = pjit_ppo.cli.train_dpo:run_main",
             "pjit-ppo-demo = pjit_ppo.cli.demo:run_main",
         ],
     },

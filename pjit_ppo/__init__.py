@@ -17,6 +17,7 @@ _EXPORTS = {
     "PPOConfig": ("pjit_ppo.config", "PPOConfig"),
     "SFTConfig": ("pjit_ppo.config", "SFTConfig"),
     "RewardLearningConfig": ("pjit_ppo.config", "RewardLearningConfig"),
+    "DPOConfig": ("pjit_ppo.config", "DPOConfig"),
     "MeshConfig": ("pjit_ppo.config", "MeshConfig"),
     "ModelOptions": ("pjit_ppo.config", "ModelOptions"),
     "RewardOptions": ("pjit_ppo.config", "RewardOptions"),
@@ -33,6 +34,7 @@ _EXPORTS = {
     # the stages, their evaluation, export and planning
     "train_sft": ("pjit_ppo.sft", "train"),
     "train_reward_model": ("pjit_ppo.reward", "train"),
+    "train_dpo": ("pjit_ppo.dpo", "train"),
     "train_ppo": ("pjit_ppo.ppo.run", "train"),
     "build_ppo": ("pjit_ppo.ppo.run", "build"),
     "evaluate_ppo": ("pjit_ppo.evaluation", "evaluate"),

@@ -25,6 +25,14 @@ def load(name: str, arg: str = "") -> RunConfig:
     return config_flags.ConfigFileFlagParser("config").parse(f"{path}:{arg}" if arg else path)
 
 
+#: Recipes for the user's own model: (the error without it, the options a user gives).
+NEEDS_USER_INPUT = {
+    "hf_model": ("model.policy_path is empty", {"model.policy_path": "my_model"}),
+    "hf_reward": ("model.policy_path is empty", {"model.policy_path": "my_model",
+                                                 "labels_path": "labels.jsonl"}),
+}
+
+
 def test_every_recipe_file_loads_and_validates():
     """All of configs/*.py (the demos and other helpers' recipes too), at their defaults."""
     names = [os.path.basename(p)[:-3] for p in sorted(glob.glob(os.path.join(CONFIGS, "*.py")))]
@@ -34,6 +42,12 @@ def test_every_recipe_file_loads_and_validates():
             continue
         config = load(name)  # a RunConfig, or the config of another entry point (SFT, ...)
         assert callable(getattr(config, "validate", None)), name
+        if name in NEEDS_USER_INPUT:  # their one required option, named when missing
+            with pytest.raises(ConfigError, match=NEEDS_USER_INPUT[name][0]):
+                config.validate()
+            for field, value in NEEDS_USER_INPUT[name][1].items():
+                section, _, key = field.rpartition(".")
+                setattr(getattr(config, section) if section else config, key, value)
         config.validate()
         if name in RECIPES:
             assert isinstance(config, RunConfig), name

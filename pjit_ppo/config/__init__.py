@@ -12,7 +12,7 @@ No module here imports jax (the launch pre-flight runs before it).
                (SequenceOptions, declared once for PPO and reward learning), reward,
                prompts, checkpoints, evaluation, profiling
   ppo.py       PPOConfig (the `ppo` section) and PPORunConfig (a whole PPO run)
-  sft.py       SFTConfig;  reward.py  RewardLearningConfig
+  sft.py       SFTConfig;  reward.py  RewardLearningConfig;  dpo.py  DPOConfig
   resume.py    which config changes a resumed run accepts
 """
 from pjit_ppo.config.checks import check_field_types, check_values_finite
@@ -20,6 +20,7 @@ from pjit_ppo.config.ppo import (ADVANTAGE_ESTIMATORS, CRITIC_FREE_ESTIMATORS, C
                                  GROUP_ESTIMATORS, IMPORTANCE_RATIOS, KL_CONTROLLERS,
                                  LOSS_AGGREGATIONS, PPOConfig, PPORunConfig, RunConfig)
 from pjit_ppo.config.resume import RESUMABLE_CHANGES, json_round_trip, resume_conflicts
+from pjit_ppo.config.dpo import DPO_LOSS_TYPES, DPOConfig
 from pjit_ppo.config.reward import RewardLearningConfig
 from pjit_ppo.config.sections import (COMPUTE_DTYPES, FROM_TOKENIZER, OPTIMIZERS, PROMPT_FORMATS, REWARD_KINDS,
                                       TOP_P_MODES, CheckpointOptions, DataOptions, EvalOptions,
@@ -30,12 +31,12 @@ from pjit_ppo.errors import ConfigError
 
 __all__ = [
     "ConfigError", "check_field_types", "check_values_finite",
-    "PPOConfig", "PPORunConfig", "RunConfig", "SFTConfig", "RewardLearningConfig",
+    "PPOConfig", "PPORunConfig", "RunConfig", "SFTConfig", "RewardLearningConfig", "DPOConfig",
     "SamplingOptions", "SequenceOptions", "MeshConfig", "ModelOptions", "RewardOptions",
     "DataOptions", "CheckpointOptions", "EvalOptions", "ProfileOptions",
     "RESUMABLE_CHANGES", "resume_conflicts", "json_round_trip",
     "FROM_TOKENIZER", "OPTIMIZERS", "TOP_P_MODES", "REWARD_KINDS", "COMPUTE_DTYPES", "PROMPT_FORMATS",
     "KL_CONTROLLERS", "CRITIC_INITS", "ADVANTAGE_ESTIMATORS", "CRITIC_FREE_ESTIMATORS",
     "GROUP_ESTIMATORS", "LOSS_AGGREGATIONS", "IMPORTANCE_RATIOS", "CORPUS_FORMATS",
-    "LR_DECAYS",
+    "LR_DECAYS", "DPO_LOSS_TYPES",
 ]
