@@ -94,6 +94,10 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
     jax.tree.map(lambda x: x.delete(), initial)
     _, policy = ckpt.restore_policy(step, target)
     reward = rewards.build(config, param_makers.Loaded(mesh))
+    if rewards.host_functions(reward.fn):
+        raise ConfigError(f"reward.kind={config.reward.kind!r}: evaluation does not run reward "
+                          f"functions written in Python yet; the training run's "
+                          f"metrics.jsonl and samples.jsonl hold their scores")
     reward_fn, reward_params = reward.fn, reward.params
     del reward  # the fp32 trunk (a critic's starting point) is not needed here
 

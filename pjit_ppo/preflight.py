@@ -14,8 +14,10 @@ joined its peers (`pjit_ppo.cli.common.setup_jax`):
   config.json and safetensors headers, tokenizer, prompt files), whether the work
   directory can be written, and the model's shape against the config (context length,
   token ids inside the vocabulary, the remat policy, and what the reward kind asks:
-  `pjit_ppo.rewards`, e.g. the reward model's vocabulary). Returns the `RunModels` it
-  read, for the second stage.
+  `pjit_ppo.rewards`, e.g. the reward model's vocabulary), and every Python reward
+  function (imported and called once on the first prompt records with empty
+  responses: `check_reward_functions`). Returns the `RunModels` it read, for the
+  second stage.
 * `check_sft(config, workdir)` / `check_reward_learning` / `check_dpo`: the stages
   before PPO, the same way (config values, work directory, model and tokenizer
   directories, reward learning's query + response against the context), then every corpus or
@@ -40,7 +42,8 @@ from typing import NamedTuple, Optional, Tuple
 from pjit_ppo import rewards
 from pjit_ppo.config import ConfigError, RunConfig
 
-__all__ = ["RunModels", "check_train", "check_evaluate", "check_export", "check_sft",
+__all__ = ["RunModels", "check_train", "check_reward_functions", "check_evaluate",
+           "check_export", "check_sft",
            "check_reward_learning", "check_dpo", "check_plan", "check_devices", "check_weights", "check_workdir",
            "check_model_dir", "check_readable", "model_config"]
 
@@ -286,7 +289,35 @@ def check_train(config: RunConfig, workdir: str) -> RunModels:
     Raises ConfigError (one line: field, value, fix). Returns the models' shapes.
     """
     check_workdir(workdir)
-    return _check_config(config)
+    models = _check_config(config)
+    check_reward_functions(config)
+    return models
+
+
+def check_reward_functions(config: RunConfig) -> None:
+    """Every Python reward function of the run (`pjit_ppo.rewards.function_specs(config)`) is
+    imported and called once on a dry batch: the first prompt records (with their
+    metadata) and empty responses. A SPEC that does not import, a signature that does
+    not fit, an exception, a wrong number of scores, a non-number or a non-finite score
+    is a RewardFunctionError (a ConfigError: one line, exit 2) before anything heavy.
+    A prompts file that cannot be read is left to the build (it names file and line)."""
+    specs = rewards.function_specs(config)
+    if not specs or not config.data.prompts_path:
+        return
+    from pjit_ppo.data import prompts as prompt_data
+    from pjit_ppo.errors import DataError
+    from pjit_ppo.rewards.host import DRY_RUN_ROWS, HostFunction
+    try:
+        texts, metadata = prompt_data.load_prompt_records(
+            config.data.prompts_path, config.data.prompts_format, config.data.prompt_field)
+    except DataError:
+        texts, metadata = [], []
+    rows = min(DRY_RUN_ROWS, len(texts))
+    for field, spec in specs:
+        function = HostFunction(spec, field)
+        function.load()
+        if rows:
+            function.dry_run(texts[:rows], metadata[:rows])
 
 
 def check_plan(config: RunConfig) -> RunModels:

@@ -111,7 +111,7 @@ def test_reward_kinds_build_their_reward():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert model.flops == flops.forward_flops(model.model, QUERY + RESPONSE, QUERY + RESPONSE, 0,
                                               last_layer_tokens=RESPONSE + 1)
-    assert rewards.describe(config).endswith("+ reward head (reward.head_seed=7)")
+    assert rewards.describe(config).endswith("+ a random reward head (reward.head_seed=7)")
 
 
 def test_reward_registry_and_config_checks_import_no_jax():

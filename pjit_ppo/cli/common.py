@@ -161,9 +161,17 @@ def fresh_workdir_removed_if_refused(workdir: str):
     try:
         yield
     except SystemExit as e:
-        if created and e.code == 2 and os.path.isdir(created):
+        if created and e.code == 2 and os.path.isdir(created) and not _has_run(workdir):
             shutil.rmtree(created, ignore_errors=True)  # every process: whoever is last
         raise
+
+
+def _has_run(workdir: str) -> bool:
+    """Whether a run already trained there (metrics or a checkpoint): its work is kept even
+    when it stops with exit status 2 later (e.g. a reward function failing mid-run)."""
+    checkpoints = os.path.join(workdir, "checkpoints")
+    return (os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+            or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
 
 
 @contextlib.contextmanager

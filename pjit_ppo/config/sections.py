@@ -177,13 +177,24 @@ class ModelOptions:
 class RewardOptions:
     """The reward the policy is trained against."""
 
-    kind: str = "target_tokens"       # "model" (a reward model) or "target_tokens" (demo)
+    kind: str = "target_tokens"       # "model" (a reward model), "target_tokens" (demo),
+    #                                   "function" (Python, reward.function) or "terms"
+    #                                   (weighted kinds, reward.terms); pjit_ppo/rewards/
     path: str = ""                    # HF directory of the reward trunk ("" = model.random)
     head_seed: int = 0                # reward head init N(0, 1/sqrt(d + 1)) until trained
     allow_random_head: bool = False   # kind="model": a reward.path without a trained
     #                                   reward_head.safetensors gets a random head from
     #                                   head_seed (logged as a warning) instead of an error
     target_ids: Tuple[int, ...] = (5, 6, 7)  # kind="target_tokens": the rewarded token ids
+    function: str = ""                # kind="function": SPEC 'package.module:callable' or
+    #                                   'path/to/file.py:callable', called on the host as
+    #                                   fn(prompts, responses, **metadata) -> one float per
+    #                                   row (pjit_ppo/rewards/host.py; built-ins in
+    #                                   pjit_ppo.rewards.functions)
+    terms: Tuple[str, ...] = ()       # kind="terms": "name:kind:weight[:arg]" entries, e.g.
+    #                                   ("rm:model:1.0", "fmt:function:0.5:pkg.mod:fn"); the
+    #                                   score is sum(weight x term); each term's mean is
+    #                                   logged as reward/<name> (pjit_ppo/rewards/terms.py)
 
     def validate(self) -> "RewardOptions":
         reward_kinds.check(self)  # the kind and its own fields (pjit_ppo/rewards/<kind>.py)

@@ -12,6 +12,13 @@ iteration t takes positions [t*P, (t+1)*P) of the concatenated epochs. A resumed
 therefore continues exactly where the checkpoint left off, with any number of
 processes; `TextPrompts.position(t)` is what a checkpoint records. Each process
 tokenises only the rows its own devices hold.
+
+Prompt records keep their other fields as metadata (`{"prompt": "...", "answer": "42",
+"difficulty": 3}`; the other columns of an HF dataset): they stay on the host and travel
+with their row by index (`TextPrompts.records(iteration, rows, samples_per_prompt)`:
+prompt texts and {field: one value per row}), for reward functions
+(`pjit_ppo.rewards.host`) and the sample tables. A checkpoint records their digest too
+(`position()["metadata_fingerprint"]`), so a resume on changed metadata is refused.
 """
 from __future__ import annotations
 
@@ -37,6 +44,14 @@ def load_prompt_texts(path: str, fmt: str = "auto", field: str = "prompt") -> Li
     Raises DataError naming the file (and line or field) for a missing file, a line
     that is not JSON or lacks `field`, a value that is not a string, or no prompts.
     """
+    return load_prompt_records(path, fmt, field)[0]
+
+
+def load_prompt_records(path: str, fmt: str = "auto", field: str = "prompt"
+                        ) -> Tuple[List[str], List[Dict[str, Any]]]:
+    """(prompt texts, metadata): every record of a prompts file in file order, its prompt
+    text and a dict of its other fields (JSONL keys, HF dataset columns; {} for plain
+    text). DataError as in `load_prompt_texts`."""
     if not path:
         raise DataError("no prompts file given: set data.prompts_path")
     if not os.path.exists(path):
@@ -45,14 +60,18 @@ def load_prompt_texts(path: str, fmt: str = "auto", field: str = "prompt") -> Li
     if fmt not in FORMATS:
         raise DataError(f"{path}: unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "hf_dataset":
-        texts = _load_hf_dataset(path, field)
+        texts, metadata = _load_hf_dataset(path, field)
     else:
         if os.path.isdir(path):
             raise DataError(f"{path} is a directory; data.prompts_format={fmt!r} reads a file")
-        texts = _load_jsonl(path, field) if fmt == "jsonl" else _load_text(path)
+        if fmt == "jsonl":
+            texts, metadata = _load_jsonl(path, field)
+        else:
+            texts = _load_text(path)
+            metadata = [{} for _ in texts]
     if not texts:
         raise DataError(f"{path}: no prompts in it (an empty dataset)")
-    return texts
+    return texts, metadata
 
 
 def _load_text(path: str) -> List[str]:
@@ -60,8 +79,8 @@ def _load_text(path: str) -> List[str]:
         return [line.rstrip("\n") for line in f if line.strip()]
 
 
-def _load_jsonl(path: str, field: str) -> List[str]:
-    texts = []
+def _load_jsonl(path: str, field: str) -> Tuple[List[str], List[Dict[str, Any]]]:
+    texts, metadata = [], []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -76,10 +95,11 @@ def _load_jsonl(path: str, field: str) -> List[str]:
                 raise DataError(f"{path}:{number}: field {field!r} is "
                                 f"{type(record[field]).__name__}, not a string")
             texts.append(record[field])
-    return texts
+            metadata.append({k: v for k, v in record.items() if k != field})
+    return texts, metadata
 
 
-def _load_hf_dataset(path: str, field: str) -> List[str]:
+def _load_hf_dataset(path: str, field: str) -> Tuple[List[str], List[Dict[str, Any]]]:
     try:
         import datasets  # optional: only needed for saved HF datasets
     except ImportError:
@@ -96,7 +116,10 @@ def _load_hf_dataset(path: str, field: str) -> List[str]:
     if field not in ds.column_names:
         raise DataError(f"{path}: no column {field!r} (data.prompt_field); columns: "
                         f"{ds.column_names}")
-    return [str(t) for t in ds[field]]
+    others = [c for c in ds.column_names if c != field]
+    columns = {c: list(ds[c]) for c in others}
+    texts = [str(t) for t in ds[field]]
+    return texts, [{c: columns[c][i] for c in others} for i in range(len(texts))]
 
 
 def load_tokenizer(path: str):
@@ -190,21 +213,43 @@ def fingerprint(texts: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def metadata_fingerprint(metadata: Optional[Sequence[Dict[str, Any]]]) -> Optional[str]:
+    """A short digest of the records' metadata (order included), None when no record has
+    any: a resumed run checks it beside `fingerprint`."""
+    if not metadata or not any(metadata):
+        return None
+    h = hashlib.sha256()
+    for record in metadata:
+        h.update(json.dumps(record, sort_keys=True, default=str,
+                            ensure_ascii=False).encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
 class TextPrompts:
     """A PromptFn over a prompt set: iteration -> (int32 [P, Q], bool [P, Q]).
 
     P = prompts per iteration. Rows are batch-sharded on `mesh`; each process
     tokenises only the rows of its addressable devices. Deterministic in
-    (seed, iteration); see the module docstring.
+    (seed, iteration); see the module docstring. `metadata`: one dict of extra
+    fields per prompt (None or empty dicts: none), kept on the host (`records`).
     """
 
     def __init__(self, mesh: Mesh, texts: Sequence[str], tokenizer, *, batch_size: int,
                  query_length: int, pad_id: int, seed: int, shuffle: bool = True,
                  start_text: str = "", end_text: str = "", purpose: str = "prompts",
-                 source: str = ""):
+                 source: str = "", metadata: Optional[Sequence[Dict[str, Any]]] = None):
         self.texts = list(texts)
         if not self.texts:
             raise DataError(f"{source or 'prompts'}: no prompts (an empty dataset)")
+        self.metadata = [dict(m) for m in metadata] if metadata is not None else \
+            [{} for _ in self.texts]
+        if len(self.metadata) != len(self.texts):
+            raise ValueError(f"{len(self.metadata)} metadata records for {len(self.texts)} "
+                             f"prompts")
+        #: The metadata fields of the prompt set (the union over records), sorted.
+        self.fields = tuple(sorted({k for m in self.metadata for k in m}))
+        self.metadata_fingerprint = metadata_fingerprint(self.metadata)
         self.tokenizer = tokenizer
         self.batch_size, self.query_length, self.pad_id = batch_size, query_length, pad_id
         self.seed, self.shuffle, self.purpose = seed, shuffle, purpose
@@ -237,14 +282,31 @@ class TextPrompts:
     def position(self, iteration: int) -> Dict[str, Any]:
         """Where the stream stands before `iteration` (JSON-able, saved in checkpoints)."""
         consumed = iteration * self.batch_size
-        return {"kind": "text", "source": self.source, "num_prompts": len(self.texts),
-                "fingerprint": self.fingerprint, "seed": self.seed,
-                "epoch": consumed // len(self.texts), "index_in_epoch": consumed % len(self.texts),
-                "next_iteration": iteration}
+        out = {"kind": "text", "source": self.source, "num_prompts": len(self.texts),
+               "fingerprint": self.fingerprint, "seed": self.seed,
+               "epoch": consumed // len(self.texts), "index_in_epoch": consumed % len(self.texts),
+               "next_iteration": iteration}
+        if self.metadata_fingerprint is not None:
+            out["metadata_fingerprint"] = self.metadata_fingerprint
+        return out
 
     def texts_of(self, iteration: int) -> List[str]:
         """The prompt texts of an iteration's rows (for logs)."""
         return [self.texts[i] for i in self.indices(iteration)]
+
+    def records(self, iteration: int, rows: Sequence[int], samples_per_prompt: int = 1
+                ) -> Tuple[List[str], Dict[str, list]]:
+        """The prompt records of episodes `rows` of an iteration's batch, in that order.
+
+        Episode b of the batch (its prompts each repeated `samples_per_prompt` (G) times
+        in contiguous rows) is a sample of prompt row b // G. Returns (the original
+        prompt texts, {field: one value per row} for every field of `fields`; None
+        where a record lacks the field).
+        """
+        index = self.indices(iteration)
+        chosen = [int(index[int(b) // samples_per_prompt]) for b in rows]
+        metadata = {f: [self.metadata[i].get(f) for i in chosen] for f in self.fields}
+        return [self.texts[i] for i in chosen], metadata
 
     def __call__(self, iteration: int) -> Tuple[jax.Array, jax.Array]:
         idx = self.indices(iteration)
@@ -273,10 +335,12 @@ def text_prompts(mesh: Mesh, data_options, *, batch_size: int, query_length: int
     tokenizer = load_tokenizer(tokenizer_path)
     check_tokenizer(tokenizer, path=tokenizer_path, vocab_size=vocab_size, pad_id=pad_id,
                     stop_token=stop_token)
+    metadata = None
     if texts is None:
-        texts = load_prompt_texts(data_options.prompts_path, data_options.prompts_format,
-                                  data_options.prompt_field)
+        texts, metadata = load_prompt_records(data_options.prompts_path,
+                                              data_options.prompts_format,
+                                              data_options.prompt_field)
     return TextPrompts(mesh, texts, tokenizer, batch_size=batch_size, query_length=query_length,
                        pad_id=pad_id, seed=seed, shuffle=data_options.shuffle,
                        start_text=data_options.start_text, end_text=data_options.end_text,
-                       purpose=purpose, source=data_options.prompts_path)
+                       purpose=purpose, source=data_options.prompts_path, metadata=metadata)

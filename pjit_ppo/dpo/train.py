@@ -40,7 +40,6 @@ from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 
 from pjit_ppo import loop, optim, sharding, supervised

@@ -3,6 +3,11 @@
 `rollout` is pure and the trainer jits it (with shardings), so the whole phase is
 one compiled program: sampling, the scoring passes, rewards, and advantage
 estimation, with nothing coming back to the host but the metrics.
+
+A reward with Python functions (`pjit_ppo.rewards.host`) splits the phase: the trainer
+compiles `collect.sample` (the sampling program), calls the functions on the host, and
+compiles `score_rollout` (everything after sampling, the estimator included) with the
+functions' scores as an input.
 """
 from __future__ import annotations
 
@@ -12,8 +17,8 @@ import jax
 
 from pjit_ppo.config import PPOConfig
 from pjit_ppo.ppo import estimators
-from pjit_ppo.ppo.collect import collect
-from pjit_ppo.ppo.types import PPOModels, RolloutBatch
+from pjit_ppo.ppo.collect import collect, score
+from pjit_ppo.ppo.types import Experience, PPOModels, RolloutBatch, Sampled
 
 
 def rollout(cfg: PPOConfig, models: PPOModels, params, frozen, kl_coef: jax.Array,
@@ -32,8 +37,27 @@ def rollout(cfg: PPOConfig, models: PPOModels, params, frozen, kl_coef: jax.Arra
     Returns:
       (RolloutBatch of ppo.batch_size rows, dict of float32 scalar metrics).
     """
-    estimator = estimators.get(cfg.advantage_estimator)
     exp, metrics = collect(cfg, models, params, frozen, query, query_mask, key, mesh)
+    return _estimate(cfg, exp, metrics, kl_coef)
+
+
+def score_rollout(cfg: PPOConfig, models: PPOModels, params, frozen, kl_coef: jax.Array,
+                  query: jax.Array, query_mask: jax.Array, sampled: Sampled,
+                  host_scores: jax.Array, mesh=None
+                  ) -> Tuple[RolloutBatch, Dict[str, jax.Array]]:
+    """The second program of a split rollout: `rollout` after sampling.
+
+    sampled: the sampling program's output (`collect.sample`) for these prompts;
+    host_scores: float32 [B, H], the host functions' scores of each episode. Other
+    arguments and the result as in `rollout`.
+    """
+    exp, metrics = score(cfg, models, params, frozen, query, query_mask, sampled, host_scores,
+                         mesh)
+    return _estimate(cfg, exp, metrics, kl_coef)
+
+
+def _estimate(cfg: PPOConfig, exp: Experience, metrics, kl_coef):
+    estimator = estimators.get(cfg.advantage_estimator)
     advantages, returns, estimator_metrics = estimator.advantages(cfg, exp, kl_coef)
     batch = RolloutBatch(exp.query, exp.query_mask, exp.response, exp.logprobs, exp.values,
                          advantages, returns, mask=exp.mask,

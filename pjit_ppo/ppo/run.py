@@ -15,6 +15,7 @@ from absl import logging
 from pjit_ppo import (checkpoint, data, distributed, flops, memory_analysis,
                       metrics as metrics_lib, param_makers, rewards, sharding)
 from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
+from pjit_ppo.errors import DataError
 from pjit_ppo.data import special_ids
 from pjit_ppo.loading import device_memory_limit, lm_config, write_config
 from pjit_ppo.ppo import memory_plan
@@ -57,6 +58,13 @@ def build(config: RunConfig) -> Job:
                            .vocab_size)
     peak = flops.measure_matmul_peak_flops() * jax.device_count() if config.measure_peak else None
     run = assemble(config, param_makers.Loaded(mesh), peak_flops=peak)
+    functions = rewards.host_functions(run.trainer.models.reward_fn)
+    if functions:  # the rollout calls them on the host, with the rows' prompt records
+        if not hasattr(prompts, "records"):
+            raise ConfigError(f"{functions[0].name} scores text: give data.prompts_path "
+                              f"(prompts with a tokenizer), not random token prompts")
+        run.trainer.host_reward = rewards.HostScorer(
+            functions, prompts, samples_per_prompt=ppo_cfg.samples_per_prompt)
     prompts_position = getattr(prompts, "position", None) or functools.partial(
         _synthetic_position, ppo_cfg.seed)
 
@@ -104,6 +112,15 @@ def make_prompts(config: RunConfig, mesh, vocab_size: int, *, purpose: str = "pr
                              tokenizer_path=tokenizer_path(config), purpose=purpose)
 
 
+def _sample_metadata(prompts, iteration: int, rows: int, samples_per_prompt: int
+                     ) -> Optional[Dict[str, list]]:
+    """The prompt records' metadata of an iteration's first `rows` episodes (the sample
+    table's rows), or None when the prompts have none."""
+    if not getattr(prompts, "fields", ()):
+        return None
+    return prompts.records(iteration, range(rows), samples_per_prompt)[1]
+
+
 def _synthetic_position(seed: int, iteration: int) -> Dict[str, Any]:
     # Synthetic prompts are a pure function of (seed, iteration): the position is all.
     return {"kind": "synthetic", "seed": seed, "next_iteration": iteration}
@@ -137,7 +154,17 @@ def _resume_point(config: RunConfig, checkpointer: checkpoint.RunCheckpointer) -
 
 
 def _check_prompt_stream(saved: Dict[str, Any], now: Dict[str, Any], step: int) -> None:
-    """Refuses to resume on a different prompt set: the data position would mean nothing."""
+    """Refuses to resume on a different prompt set: the data position would mean nothing.
+    Changed metadata (the records' other fields) is refused too, when the checkpoint
+    recorded its digest."""
+    if "metadata_fingerprint" in saved and saved.get("metadata_fingerprint") != now.get(
+            "metadata_fingerprint"):
+        raise ConfigError(
+            f"cannot resume from checkpoint {step}: the prompt records' other fields "
+            f"(metadata) changed since it was saved (fingerprint "
+            f"{saved.get('metadata_fingerprint')}, now {now.get('metadata_fingerprint')}) in "
+            f"{now.get('source') or saved.get('source')}; restore the original prompt file or "
+            f"start a new --workdir")
     for key in ("kind", "num_prompts", "fingerprint"):
         if saved.get(key) != now.get(key):
             raise ConfigError(
@@ -253,7 +280,9 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
         last.clear()
         last.update(metrics)
         if table is not None and job.trainer.last_samples is not None:
-            table.write(it + 1, job.trainer.last_samples)
+            table.write(it + 1, job.trainer.last_samples, _sample_metadata(
+                job.prompts, it, len(job.trainer.last_samples["score"]),
+                config.ppo.samples_per_prompt))
         if (it + 1) % every == 0 or it + 1 == job.num_iterations:
             save(it + 1, state)
         final["state"] = state
@@ -286,6 +315,11 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
                 checkpointer.wait()
                 logging.warning("preempted at iteration %d, saved checkpoint %d", step, step)
         checkpointer.wait()
+    except (ConfigError, DataError):
+        # The user's error (e.g. a reward function that raised): the checkpoints already
+        # being written are finished, so the latest one stays whole, then the run stops.
+        checkpointer.wait()
+        raise
     finally:
         profiler.close()
         writer.close()

@@ -7,7 +7,7 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import jax
 
 from pjit_ppo.models.config import ModelConfig
-from pjit_ppo.rewards import RewardFn
+from pjit_ppo.rewards import RewardFn, host_functions
 
 #: iteration -> (query int32 [B, Q] left-padded global array, query_mask bool [B, Q]).
 PromptFn = Callable[[int], Tuple[jax.Array, jax.Array]]
@@ -21,11 +21,26 @@ class PPOModels:
     critic: the separate critic's architecture; None with a shared trunk or a
       critic-free estimator (ppo.advantage_estimator "grpo", "rloo", "reinforce_pp").
     reward_fn: scores (query, truncated response); `rewards.model_reward_fn(config)`
-      gives the reward-model one; tests and demos may pass any function of tokens.
+      gives the reward-model one; tests and demos may pass any function of tokens. A
+      reward with Python functions (`rewards.host_functions(reward_fn)` non-empty)
+      splits the rollout: sampling, the functions on the host, then scoring.
     """
     policy: ModelConfig
     critic: Optional[ModelConfig]
     reward_fn: RewardFn
+
+    @property
+    def host_reward_columns(self) -> int:
+        """How many Python reward functions run on the host (0: one rollout program)."""
+        return len(host_functions(self.reward_fn))
+
+
+class Sampled(NamedTuple):
+    """What the sampling program of a split rollout gives the host and the scoring program
+    (every field [B, R], sharded over the batch; B = ppo.batch_size episodes)."""
+    response: jax.Array   # int32, raw sampled tokens
+    logprobs: jax.Array   # float32, the sampler's log-probs (temperature-scaled)
+    kept: jax.Array       # bool, the positions the reward sees (up to the stop token)
 
 
 class Experience(NamedTuple):

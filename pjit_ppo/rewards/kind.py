@@ -12,12 +12,22 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 
+def _no_functions(config) -> Tuple[Tuple[str, str], ...]:
+    del config
+    return ()
+
+
 class Reward(NamedTuple):
     """A built reward: what a run scores its responses with.
 
     fn: a RewardFn (`pjit_ppo.rewards.responses.RewardFn`): (params, query int32 [B, Q],
       query_mask bool [B, Q], response int32 [B, R] (truncated), response_mask bool
-      [B, R]) -> float32 scores [B].
+      [B, R]) -> float32 scores [B]. A reward with Python functions run on the host
+      (`pjit_ppo.rewards.host`) gives a fn that also takes `host_scores` float32
+      [B, H] (the functions' scores, one column each) and carries the functions as
+      `fn.host_functions` (`pjit_ppo.rewards.host_functions(fn)`); a reward of several
+      weighted terms (`pjit_ppo.rewards.terms`) gives a fn with `names` and
+      `terms(...) -> float32 [B, T]` (each term's own score).
     params: the frozen parameters `fn` reads (a pytree in the compute dtype, sharded
       on the mesh; or jax.ShapeDtypeStructs with shardings when built abstractly),
       or None when it reads none.
@@ -57,8 +67,15 @@ class RewardKind:
       Reward's model or None); `build` fills Reward.flops with it.
     describe(config) -> str: where the frozen parameters come from (written into each
       checkpoint's run/ JSON instead of the weights).
-    critic_trunk: whether `build` returns a trunk the critic may start from
+    critic_trunk: whether `build` can return a trunk the critic may start from
       (ppo.critic_init="reward" is refused for kinds without one).
+    term_arg: the field of the `reward` section that the optional fourth part of a
+      `reward.terms` entry ("name:kind:weight:ARG") sets for a term of this kind
+      (e.g. "path", "function"); None when a term of this kind takes no argument.
+    functions(config) -> ((field, SPEC), ...): the Python reward functions the reward
+      calls on the host, each named by the config field that gives its SPEC; the
+      launch pre-flight imports and calls each once on a dry batch. () for kinds
+      computed on the devices.
     """
     name: str
     check: Callable[[Any], None]
@@ -68,3 +85,5 @@ class RewardKind:
     flops: Callable[[Any, Optional[Any]], float]
     describe: Callable[[Any], str]
     critic_trunk: bool = False
+    term_arg: Optional[str] = None
+    functions: Callable[[Any], Tuple[Tuple[str, str], ...]] = _no_functions

@@ -125,4 +125,5 @@ def describe(config) -> str:
 
 
 KIND = RewardKind(name="model", check=check, models=models, check_fit=check_fit,
-                  build=build, flops=flops, describe=describe, critic_trunk=True)
+                  build=build, flops=flops, describe=describe, critic_trunk=True,
+                  term_arg="path")

@@ -12,14 +12,16 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 from pjit_ppo.errors import ConfigError
-from pjit_ppo.rewards import model, target_tokens
+from pjit_ppo.rewards import function, model, target_tokens, terms
 from pjit_ppo.rewards.kind import Reward, RewardKind
 
 #: reward.kind -> the kind.
 KINDS: Dict[str, RewardKind] = {
     "model": model.KIND,
     "target_tokens": target_tokens.KIND,
+    "function": function.KIND,
 }
+KINDS["terms"] = terms.over(KINDS)  # weighted terms of the kinds above
 
 
 def get(name: str) -> RewardKind:
@@ -30,8 +32,24 @@ def get(name: str) -> RewardKind:
 
 
 def check(options) -> None:
-    """The `reward` section's kind and the kind's own options (jax-free); ConfigError."""
+    """The `reward` section's kind and the kind's own options (jax-free); ConfigError.
+
+    reward.function and reward.terms are refused with a kind that would ignore them (a
+    run that silently trains on another reward)."""
+    get(options.kind)
+    if getattr(options, "terms", ()) and options.kind != "terms":
+        raise ConfigError(f"reward.terms is set but reward.kind={options.kind!r} ignores it: "
+                          f"set reward.kind='terms' to combine the terms")
+    if getattr(options, "function", "") and options.kind not in ("function", "terms"):
+        raise ConfigError(f"reward.function={options.function!r} is set but "
+                          f"reward.kind={options.kind!r} ignores it: set "
+                          f"reward.kind='function'")
     get(options.kind).check(options)
+
+
+def function_specs(config) -> Tuple[Tuple[str, str], ...]:
+    """(config field, SPEC) of every Python reward function the run calls on the host."""
+    return get(config.reward.kind).functions(config)
 
 
 def critic_trunk_kinds() -> Tuple[str, ...]:

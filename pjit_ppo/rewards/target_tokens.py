@@ -70,4 +70,5 @@ def describe(config) -> str:
 
 
 KIND = RewardKind(name="target_tokens", check=check, models=models, check_fit=check_fit,
-                  build=build, flops=flops, describe=describe, critic_trunk=False)
+                  build=build, flops=flops, describe=describe, critic_trunk=False,
+                  term_arg="target_ids")
