@@ -1,6 +1,6 @@
 """Optimizers: TF-style Adam and the PPO optimizer chain with a per-update LR anneal."""
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +59,8 @@ def scale_by_tf_adam(
 
 
 def make_lr_schedule(
-    *, learning_rate: float, num_updates: int, anneal_lr: bool = True, steps_per_update: int = 1
+    *, learning_rate: float, num_updates: Union[int, jax.Array], anneal_lr: bool = True,
+    steps_per_update: int = 1
 ) -> Callable[[jax.Array], jax.Array]:
     """LR as a function of the optimizer step count.
 
@@ -69,17 +70,23 @@ def make_lr_schedule(
     (index num_updates - 1) uses learning_rate / num_updates; it is 0 from step
     num_updates * steps_per_update on. Without ``anneal_lr`` it is constant.
 
+    num_updates may be an int or a (traced) int scalar array: a schedule built inside
+    a jitted function from an argument makes the run length an input of the compiled
+    program instead of a constant in it, so runs that differ only in their length
+    share one program (the same float32 arithmetic either way: the division is by
+    num_updates as float32).
+
     Returns:
       schedule: int scalar count -> float32 scalar lr (jittable).
     """
-    if num_updates <= 0 or steps_per_update <= 0:
+    if steps_per_update <= 0 or (not isinstance(num_updates, jax.Array) and num_updates <= 0):
         raise ValueError("num_updates and steps_per_update must be positive")
 
     def schedule(count):
         if not anneal_lr:
             return jnp.asarray(learning_rate, jnp.float32)
         update = (jnp.asarray(count, jnp.int32) // steps_per_update).astype(jnp.float32)
-        frac = jnp.maximum(1.0 - update / num_updates, 0.0)
+        frac = jnp.maximum(1.0 - update / jnp.asarray(num_updates, jnp.float32), 0.0)
         return jnp.asarray(learning_rate, jnp.float32) * frac
 
     return schedule
@@ -88,7 +95,7 @@ def make_lr_schedule(
 def make_optimizer(
     *,
     learning_rate: float,
-    num_updates: int,
+    num_updates: Union[int, jax.Array],
     anneal_lr: bool = True,
     kind: str = "tf_adam",
     eps: float = 1e-5,
@@ -101,7 +108,8 @@ def make_optimizer(
 
     Args:
       learning_rate: peak LR.
-      num_updates: number of PPO updates (rollout + optimisation rounds) of the run.
+      num_updates: number of PPO updates (rollout + optimisation rounds) of the run; an
+        int, or a traced int scalar to make it an input of a compiled program.
       anneal_lr: anneal linearly to 0 over updates (see :func:`make_lr_schedule`).
       kind: "tf_adam" (eps on the uncorrected second moment, the reference's)
         or "adam" (optax/PyTorch placement).

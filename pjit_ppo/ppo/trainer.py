@@ -5,6 +5,12 @@ train state donated) -> metrics to the writers. Both programs are compiled ahead
 of time (`compile`, or on the first step) so that compilation is timed on its own
 (`time/compile_s`) instead of inflating the first iteration's throughput. The only
 host transfers are the prompts going in and the scalar metrics coming out.
+
+A reward with Python functions (`pjit_ppo.rewards.host`) splits the rollout into two
+compiled programs (`RolloutPrograms`): sampling, then each process fetches its own rows,
+`host_reward` (a `pjit_ppo.rewards.HostScorer`) scores them once per rollout
+micro-batch (`time/reward_s`), and the scoring program takes the scores as an input.
+Every other reward keeps the single rollout program.
 """
 from __future__ import annotations
 
@@ -27,8 +33,10 @@ from pjit_ppo.config import PPOConfig
 from pjit_ppo.errors import NonFiniteError
 from pjit_ppo.optim import make_optimizer
 from pjit_ppo.ppo.kl import kl_init
-from pjit_ppo.ppo.rollout import rollout
-from pjit_ppo.ppo.types import PPOModels, PromptFn, RolloutBatch, TrainState
+from pjit_ppo.ppo.collect import (batch_devices, local_micro_batch_rows, micro_batch_count,
+                                  sample)
+from pjit_ppo.ppo.rollout import rollout, score_rollout
+from pjit_ppo.ppo.types import PPOModels, PromptFn, RolloutBatch, Sampled, TrainState
 from pjit_ppo.ppo.update import update
 
 
@@ -57,6 +65,27 @@ GUARDED = (
     ("ppo/grad_norm", "the gradients are not finite: lower ppo.lr or set ppo.max_grad_norm "
                       "(with bf16 compute, also check for overflow)"),
 )
+
+
+class RolloutPrograms:
+    """The two programs of a split rollout (`sample`, then `score`), lowered or compiled.
+
+    `compile()` compiles both; `memory_analysis()` is that of the program with the larger
+    per-device peak (argument + output - alias + temp + code): the rollout phase's
+    peak, for the memory plan and the planner, which read a phase as one program.
+    """
+
+    def __init__(self, sample, score):
+        self.sample, self.score = sample, score
+
+    def compile(self) -> "RolloutPrograms":
+        return RolloutPrograms(self.sample.compile(), self.score.compile())
+
+    def memory_analysis(self):
+        def peak(m):
+            return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                    + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+        return max((p.memory_analysis() for p in (self.sample, self.score)), key=peak)
 
 
 def check_finite(metrics: Dict[str, float], iteration: int) -> None:
@@ -109,6 +138,9 @@ class PPOTrainer:
         self.cfg, self.models, self.mesh = cfg, models, mesh
         self.num_updates = int(num_updates)
         self.optimizer = optimizer or make_ppo_optimizer(cfg, self.num_updates)
+        #: The default optimizer is rebuilt inside the compiled update from its run-length
+        #: argument (`num_updates` is an input of the program, not a constant in it).
+        self._run_length_input = optimizer is None
         self.flops = flops_lib.ppo_phase_flops(cfg, models, reward_flops)
         self.peak_flops = peak_flops
         self._rollout = None
@@ -120,6 +152,12 @@ class PPOTrainer:
         self.sample_every, self.sample_rows = 0, 0
         self.last_samples: Optional[Dict[str, np.ndarray]] = None
         self._samples_fn = None
+        #: A reward with Python functions: (iteration, rows int [n], response int [n, R],
+        #: kept bool [n, R]) -> float32 [n, H] scores of this process's rows (a
+        #: `pjit_ppo.rewards.HostScorer`; `pjit_ppo.ppo.run.build` sets it).
+        self.host_reward: Optional[Callable] = None
+        self.host_columns = models.host_reward_columns
+        self._reward_seconds: Optional[float] = None
 
     # ------------------------------------------------------------ state
     def init_state(self, params, make=None) -> TrainState:
@@ -182,23 +220,48 @@ class PPOTrainer:
         # Every field is [B, ...] rank 2 except the [B] scores (the last field).
         batch_out = RolloutBatch(*[batch_sh] * (len(RolloutBatch._fields) - 1),
                                  scores=sharding.batch_sharding(mesh, 1))
-        rollout_jit = jax.jit(functools.partial(rollout, cfg, self.models, mesh=mesh),
-                              out_shardings=(batch_out, rep))
-        update_jit = jax.jit(functools.partial(update, cfg, self.models, self.optimizer,
-                                               batch_constraint=constrain_batch),
-                             donate_argnums=(0,), out_shardings=(state_sh, rep))
         key = self._key(jax.random.PRNGKey(0))
         query, query_mask = self._prompts(query, query_mask)
-        rollout_lowered = rollout_jit.lower(state.params, frozen, state.kl_coef, query,
-                                            query_mask, key)
-        batch_shapes, _ = jax.eval_shape(rollout_jit, state.params, frozen, state.kl_coef, query,
-                                         query_mask, key)
+        if self.host_columns:  # sampling, the host's functions, scoring: two programs
+            sample_jit = jax.jit(functools.partial(sample, cfg, self.models,
+                                                   mesh=mesh),
+                                 out_shardings=Sampled(batch_sh, batch_sh, batch_sh))
+            rollout_jit = jax.jit(functools.partial(score_rollout, cfg, self.models, mesh=mesh),
+                                  out_shardings=(batch_out, rep))
+            sampled = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=batch_sh),
+                jax.eval_shape(sample_jit, state.params["policy"], query, query_mask, key))
+            host = jax.ShapeDtypeStruct((cfg.batch_size, self.host_columns), jnp.float32,
+                                        sharding=batch_sh)
+            rollout_args = (state.params, frozen, state.kl_coef, query, query_mask, sampled,
+                            host)
+            rollout_lowered = RolloutPrograms(
+                sample_jit.lower(state.params["policy"], query, query_mask, key),
+                rollout_jit.lower(*rollout_args))
+        else:
+            rollout_jit = jax.jit(functools.partial(rollout, cfg, self.models, mesh=mesh),
+                                  out_shardings=(batch_out, rep))
+            rollout_args = (state.params, frozen, state.kl_coef, query, query_mask, key)
+            rollout_lowered = rollout_jit.lower(*rollout_args)
+
+        def update_phase(state, batch, kl, key, num_updates):
+            # The LR schedule's length comes in as an int32 scalar: runs that differ only
+            # in their length share one compiled update (and the compilation cache).
+            optimizer = (make_ppo_optimizer(cfg, num_updates) if self._run_length_input
+                         else self.optimizer)
+            return update(cfg, self.models, optimizer, state, batch, kl, key,
+                          batch_constraint=constrain_batch)
+        update_phase.__name__ = "update"
+        update_jit = jax.jit(update_phase, donate_argnums=(0,), out_shardings=(state_sh, rep))
+        batch_shapes, _ = jax.eval_shape(rollout_jit, *rollout_args)
         batch_abstract = jax.tree.map(  # the update does not read the scores
             lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=batch_sh),
             batch_shapes._replace(scores=None))
         kl_abstract = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+        length_abstract = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
         return {"rollout": rollout_lowered,
-                "update": update_jit.lower(state, batch_abstract, kl_abstract, key)}
+                "update": update_jit.lower(state, batch_abstract, kl_abstract, key,
+                                           length_abstract)}
 
     def _key(self, key: jax.Array) -> jax.Array:
         return jax.device_put(key, sharding.replicated(self.mesh))
@@ -219,8 +282,37 @@ class PPOTrainer:
             self.compile(state, frozen, query, query_mask)
         sample_key, _ = iteration_keys(self.cfg, iteration)
         query, query_mask = self._prompts(query, query_mask)
-        return self._rollout(state.params, frozen, state.kl_coef, query, query_mask,
-                             self._key(sample_key))
+        if not self.host_columns:
+            return self._rollout(state.params, frozen, state.kl_coef, query, query_mask,
+                                 self._key(sample_key))
+        sampled = self._rollout.sample(state.params["policy"], query, query_mask,
+                                       self._key(sample_key))
+        jax.block_until_ready(sampled)
+        t0 = time.perf_counter()
+        host = self._host_scores(iteration, sampled)
+        self._reward_seconds = time.perf_counter() - t0
+        return self._rollout.score(state.params, frozen, state.kl_coef, query, query_mask,
+                                   sampled, host)
+
+    def _host_scores(self, iteration: int, sampled: Sampled) -> jax.Array:
+        """The host functions' scores float32 [B, H], batch-sharded: each process fetches
+        the rows its devices hold, and `host_reward` scores them once per rollout
+        micro-batch (in the batch's row order); nothing crosses processes."""
+        if self.host_reward is None:
+            raise ValueError("the reward has Python functions that run on the host: set "
+                             "trainer.host_reward (a pjit_ppo.rewards.HostScorer; "
+                             "pjit_ppo.ppo.run.build does)")
+        cfg = self.cfg
+        rows, (response, kept) = _local_rows(sampled.response, sampled.kept)
+        scores = np.zeros((cfg.batch_size, self.host_columns), np.float32)
+        chunk = local_micro_batch_rows(cfg, rows, batch_devices(self.mesh))
+        for c in range(micro_batch_count(cfg)):
+            sel = chunk == c
+            if sel.any():
+                scores[rows[sel]] = self.host_reward(iteration, rows[sel], response[sel],
+                                                     kept[sel])
+        return jax.make_array_from_callback(scores.shape, sharding.batch_sharding(self.mesh, 2),
+                                            lambda index: scores[index])
 
     def step(self, state: TrainState, frozen, query: jax.Array, query_mask: jax.Array,
              iteration: int) -> Tuple[TrainState, Dict[str, float]]:
@@ -238,7 +330,9 @@ class PPOTrainer:
         t1 = time.perf_counter()
         state, update_metrics = self._update(state, batch._replace(scores=None),
                                              rollout_metrics["objective/kl"],
-                                             self._key(update_key))
+                                             self._key(update_key),
+                                             jax.device_put(np.int32(self.num_updates),
+                                                            sharding.replicated(self.mesh)))
         jax.block_until_ready(state.params)
         t2 = time.perf_counter()
         due = self.sample_every and (iteration == 0 or (iteration + 1) % self.sample_every == 0)
@@ -246,6 +340,8 @@ class PPOTrainer:
         metrics = {k: float(v) for k, v in jax.device_get({**rollout_metrics,
                                                            **update_metrics}).items()}
         metrics.update(self._throughput(t1 - t0, t2 - t1))
+        if self.host_columns:
+            metrics["time/reward_s"] = self._reward_seconds
         if not self._compile_reported:  # the first step after the compile
             metrics["time/compile_s"] = self.compile_seconds
             self._compile_reported = True
@@ -307,3 +403,24 @@ class PPOTrainer:
             if should_stop is not None and should_stop():
                 break
         return state
+
+
+def _local_rows(*arrays: jax.Array):
+    """(rows int64 [n], numpy copies [n, ...] of each array): the batch rows this process's
+    devices hold of batch-sharded [B, ...] arrays, ascending (a row replicated over the
+    tensor axis is taken once)."""
+    pieces = {}
+    for shard in arrays[0].addressable_shards:
+        lo, hi, _ = shard.index[0].indices(arrays[0].shape[0])
+        pieces.setdefault(lo, hi)
+    starts = sorted(pieces)
+    rows = np.concatenate([np.arange(lo, pieces[lo]) for lo in starts]).astype(np.int64)
+    out = []
+    for x in arrays:
+        by_start = {}
+        for shard in x.addressable_shards:
+            lo = shard.index[0].indices(x.shape[0])[0]
+            if lo not in by_start:
+                by_start[lo] = np.asarray(shard.data)
+        out.append(np.concatenate([by_start[lo] for lo in starts]))
+    return rows, tuple(out)
