@@ -138,9 +138,12 @@ class PPOTrainer:
         self.cfg, self.models, self.mesh = cfg, models, mesh
         self.num_updates = int(num_updates)
         self.optimizer = optimizer or make_ppo_optimizer(cfg, self.num_updates)
-        #: The default optimizer is rebuilt inside the compiled update from its run-length
-        #: argument (`num_updates` is an input of the program, not a constant in it).
-        self._run_length_input = optimizer is None
+        #: Whether the default optimizer is rebuilt inside the compiled update from its
+        #: run-length argument (`num_updates` an input of the program, so runs differing
+        #: only in length share one compile). Off: dividing by a runtime length instead of
+        #: a constant moved ppo/lr in its last float32 digit, which training amplifies;
+        #: the reference runs must stay bit-identical until that is resolved.
+        self._run_length_input = False
         self.flops = flops_lib.ppo_phase_flops(cfg, models, reward_flops)
         self.peak_flops = peak_flops
         self._rollout = None
