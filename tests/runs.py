@@ -53,6 +53,14 @@ def start(script: str, *args, devices: int = 1, log_path=None) -> subprocess.Pop
                             stderr=subprocess.STDOUT, text=True)
 
 
+#: One PPO epoch per iteration (the tiny recipe has four), for runs that check plumbing
+#: rather than learning. Runs with the same devices, overrides and run length (the LR
+#: schedule's length is a constant of the compiled update) compile the same programs and
+#: share the session's compilation cache: test_multihost's one-process reference and
+#: test_planning's profiled run (8 devices, 2 iterations) are one program.
+ONE_EPOCH = ("--config.ppo.noptepochs=1",)
+
+
 def train_args(workdir, *overrides, iterations: int = 12, every: int = 3):
     return (f"--config={TINY}", f"--workdir={workdir}", f"--config.num_iterations={iterations}",
             f"--config.checkpoint.every={every}", "--config.measure_peak=false", *overrides)

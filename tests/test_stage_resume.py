@@ -119,32 +119,15 @@ def _checkpoints(workdir):
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward"])
-def test_kill_9_then_same_command_ends_as_uninterrupted(recipes, references, stage, tmp_path):
+def test_sigterm_then_kill_9_then_same_command_ends_as_uninterrupted(recipes, references, stage,
+                                                                     tmp_path):
+    """One run interrupted twice, as a user meets it: SIGTERM saves and exits 0, and the
+    same command continues from that checkpoint; kill -9 of that run after a later
+    checkpoint (>= 6), and the same command again ends as the uninterrupted run."""
     script, output, _, total = STAGES[stage]
     workdir = tmp_path / "run"
     args = _args(recipes, stage, workdir)
-    proc = runs.start(script, *args, log_path=tmp_path / "1.log")
-    runs.wait_for(lambda: any(s >= 6 for s in _checkpoints(workdir)), proc=proc)
-    runs.kill(proc)
-    assert not os.path.exists(workdir / output), "the kill came after the run had finished"
-    written = runs.strict_lines(workdir / "metrics.jsonl")
-
-    proc = runs.run(script, *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = int(re.search(r"resuming from checkpoint (\d+) ", proc.stderr).group(1))
-    assert 6 <= resumed < total
-    dropped = [line for line in written if line["iteration"] > resumed]
-    if dropped:  # lines after the checkpoint were moved aside, not lost
-        assert len(runs.strict_lines(workdir / "metrics.jsonl.dropped")) == len(dropped)
-    _assert_same_run(stage, references[stage], workdir)
-
-
-@pytest.mark.parametrize("stage", ["sft", "reward"])
-def test_sigterm_saves_exits_0_and_same_command_continues(recipes, references, stage,
-                                                          tmp_path):
-    script, output, _, total = STAGES[stage]
-    workdir = tmp_path / "run"
-    args = _args(recipes, stage, workdir)
+    # 1. SIGTERM: finish the step, save it, exit 0.
     proc = runs.start(script, *args, log_path=tmp_path / "1.log")
     runs.wait_for(lambda: runs.metric_lines(workdir) >= 3, proc=proc)
     assert runs.kill(proc, signal.SIGTERM) == 0
@@ -155,9 +138,23 @@ def test_sigterm_saves_exits_0_and_same_command_continues(recipes, references, s
     from pjit_ppo import checkpoint
     assert checkpoint.verify(str(workdir / "checkpoints" / str(stopped))) is None
 
+    # 2. The same command continues from that checkpoint; kill -9 after a later one.
+    proc = runs.start(script, *args, log_path=tmp_path / "2.log")
+    later = max(6, stopped + 1)
+    runs.wait_for(lambda: any(s >= later for s in _checkpoints(workdir)), proc=proc)
+    runs.kill(proc)
+    assert f"resuming from checkpoint {stopped} " in (tmp_path / "2.log").read_text()
+    assert not os.path.exists(workdir / output), "the kill came after the run had finished"
+    written = runs.strict_lines(workdir / "metrics.jsonl")
+
+    # 3. The same command again: from the last complete checkpoint to the end.
     proc = runs.run(script, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resuming from checkpoint {stopped} " in proc.stderr
+    resumed = int(re.search(r"resuming from checkpoint (\d+) ", proc.stderr).group(1))
+    assert 6 <= resumed < total
+    dropped = [line for line in written if line["iteration"] > resumed]
+    if dropped:  # lines after the checkpoint were moved aside, not lost
+        assert len(runs.strict_lines(workdir / "metrics.jsonl.dropped")) == len(dropped)
     _assert_same_run(stage, references[stage], workdir)
 
 
