@@ -1,6 +1,7 @@
 """The built-in reward functions (pjit_ppo.rewards.functions): answer extraction, numeric
 comparison, exact match, format check, length penalty, and the function contract."""
 import importlib
+import importlib.util
 import re
 import subprocess
 import sys

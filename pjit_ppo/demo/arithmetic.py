@@ -18,13 +18,13 @@ import random
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["Level", "LEVELS", "Problem", "ANSWER_INSTRUCTION", "EXAMPLE", "EXAMPLE_RESPONSE",
-           "level", "generate",
-           "make_splits", "prompt_text", "records", "write_jsonl", "write_splits"]
+           "level", "generate", "make_splits", "prompt_text", "records", "write_jsonl",
+           "write_splits"]
 
 #: What every prompt asks for; `pjit_ppo.rewards.functions.ANSWER_FORMAT` matches it.
 ANSWER_INSTRUCTION = 'End your reply with "The answer is N." where N is the final number.'
 
-_SYMBOL = {"+": "+", "-": "-", "*": "*"}
+_OPS = ("+", "-", "*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Level:
     mul_digits: Tuple[int, int] = (2, 1)
 
     def __post_init__(self):
-        if not self.ops or set(self.ops) - set(_SYMBOL):
+        if not self.ops or set(self.ops) - set(_OPS):
             raise ValueError(f"Level {self.name!r}: ops must be a non-empty subset of "
                              f"'+', '-', '*', got {self.ops!r}")
         if min(self.digits) < 1 or min(self.mul_digits) < 1:
@@ -133,7 +133,7 @@ class Problem:
 #: The worked example every prompt shows first (one-shot; `prompt_text(example=False)`
 #: leaves it out). Asked only for the format, SmolLM2-135M-Instruct mostly answers at
 #: once with one of the operands (add2: 11% right, greedy); shown this, it writes the
-#: calculation, then the answer (39%). No split holds its operation.
+#: calculation, then the answer (31%). No split holds its operation.
 EXAMPLE = Problem("Lily has 23 apples. Lily gets 4 more apples. "
                   "How many apples does Lily have now?", "23 + 4", 27, "example")
 EXAMPLE_RESPONSE = "23 + 4 = 27. The answer is 27."
@@ -161,7 +161,7 @@ def _draw(rng: random.Random, lv: Level) -> Problem:
     answer = a * b if op == "*" else a + b if op == "+" else a - b
     text = rng.choice(_TEMPLATES[op]).format(a=a, b=b, name=rng.choice(_NAMES),
                                              items=rng.choice(_ITEMS))
-    return Problem(text, f"{a} {_SYMBOL[op]} {b}", answer, lv.name)
+    return Problem(text, f"{a} {op} {b}", answer, lv.name)
 
 
 def generate(difficulty: Union[str, Level], n: int, seed: int,
