@@ -269,7 +269,8 @@ def test_rollout_micro_batches_equal_one_pass(job_and_plan):
 
 def test_run_logs_the_plan_and_profiles(tmp_path):
     workdir = tmp_path / "run"
-    # One epoch: the program of test_multihost's one-process run (the compilation cache).
+    # One epoch, 2 iterations, 8 devices: test_multihost's one-process run's program (the
+    # session's compilation cache).
     proc = runs.run("train_ppo.py", *runs.train_args(workdir, "--config.profile.start=2",
                                                      *runs.ONE_EPOCH, iterations=2, every=2),
                     devices=8)
