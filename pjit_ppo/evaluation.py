@@ -5,6 +5,14 @@ samples one response per prompt from the policy and from the reference policy (t
 run's initial policy), scores both with the run's reward and post-processing, and
 measures the KL of the policy to the reference on the policy's samples. Writes
 WORKDIR/eval/<step>/eval.json and samples.jsonl.
+
+A reward with Python functions (reward.kind=function or terms holding one) runs as in
+training: one compiled program samples both policies, the host calls each function
+once per policy on every held-out row with its prompt record, and a second program
+scores and measures the KL. A reward of weighted terms adds each term's mean for the
+policy and the reference to eval.json (`terms`) and each row's term scores to
+samples.jsonl (`policy_terms`, `reference_terms`); prompt records with metadata add it
+to each row (`metadata`).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from pjit_ppo.config.sections import DEFAULT_EVAL_PROMPTS
 from pjit_ppo.loading import load_lm
 from pjit_ppo.models import assemble, scoring
 from pjit_ppo.ppo.run import make_prompts, resolve_token_ids
-from pjit_ppo.rewards.responses import score_responses
+from pjit_ppo.rewards.responses import score_responses, truncate_responses
 
 #: Config fields that must equal the checkpoint's: they define the models and the reward.
 MODEL_FIELDS = ("model.", "reward.")
@@ -74,6 +82,18 @@ def _eval_prompts(config: RunConfig, mesh, vocab_size: int):
     return prompts, wanted, set_size
 
 
+def _host_scores(functions, prompts, cfg, mesh, response: jax.Array) -> jax.Array:
+    """The reward's Python functions' scores float32 [B, H] of sampled responses int32
+    [B, R] of the held-out prompts, batch-sharded like the rollout's. Every process
+    scores every row (the prompt set is small) and keeps its own."""
+    scorer = rewards.HostScorer(functions, prompts, samples_per_prompt=1)
+    _, _, kept = jax.jit(lambda r: truncate_responses(cfg, r))(response)
+    response, kept = distributed.host_array(response), distributed.host_array(kept)
+    scores = scorer(0, np.arange(len(response)), response, kept)
+    return jax.make_array_from_callback(scores.shape, sharding.batch_sharding(mesh, 2),
+                                        lambda index: scores[index])
+
+
 def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dict[str, Any]:
     """Evaluates checkpoint `step` (latest complete when None) of the run in `workdir`.
 
@@ -94,11 +114,8 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
     jax.tree.map(lambda x: x.delete(), initial)
     _, policy = ckpt.restore_policy(step, target)
     reward = rewards.build(config, param_makers.Loaded(mesh))
-    if rewards.host_functions(reward.fn):
-        raise ConfigError(f"reward.kind={config.reward.kind!r}: evaluation does not run reward "
-                          f"functions written in Python yet; the training run's "
-                          f"metrics.jsonl and samples.jsonl hold their scores")
     reward_fn, reward_params = reward.fn, reward.params
+    functions = rewards.host_functions(reward_fn)
     del reward  # the fp32 trunk (a critic's starting point) is not needed here
 
     temperature = ev.temperature or cfg.temperature
@@ -108,26 +125,48 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
     query, query_mask = prompts(0)
     policy_key, reference_key = jax.random.split(rng.stream_key(ev.seed, "eval_sample", step))
 
-    @jax.jit
-    def run(policy, reference, reward_params, query, query_mask, policy_key, reference_key):
-        def sample(params, key):
-            return sampling.generate(policy_cfg, params, query, query_mask, key,
-                                     max_new_tokens=cfg.response_length, temperature=temperature,
-                                     top_k=cfg.top_k, top_p=cfg.top_p,
-                                     top_p_mode=cfg.top_p_mode, greedy=ev.greedy, mesh=mesh)[0]
-        response, ref_response = sample(policy, policy_key), sample(reference, reference_key)
-        scores = score_responses(cfg, reward_fn, reward_params, query, query_mask, response)[0]
-        ref_scores = score_responses(cfg, reward_fn, reward_params, query, query_mask,
-                                     ref_response)[0]
+    def sample(params, key, query, query_mask):
+        return sampling.generate(policy_cfg, params, query, query_mask, key,
+                                 max_new_tokens=cfg.response_length, temperature=temperature,
+                                 top_k=cfg.top_k, top_p=cfg.top_p, top_p_mode=cfg.top_p_mode,
+                                 greedy=ev.greedy, mesh=mesh)[0]
+
+    def sample_both(policy, reference, query, query_mask, policy_key, reference_key):
+        return (sample(policy, policy_key, query, query_mask),
+                sample(reference, reference_key, query, query_mask))
+
+    def score(policy, reference, reward_params, query, query_mask, response, ref_response,
+              host=(None, None)):
+        """(scores, reference scores, KL [B], terms, reference terms) of the samples."""
+        scored = score_responses(cfg, reward_fn, reward_params, query, query_mask, response,
+                                 host[0])
+        ref_scored = score_responses(cfg, reward_fn, reward_params, query, query_mask,
+                                     ref_response, host[1])
         kl = (scoring.response_logprobs(policy_cfg, policy, query, query_mask, response,
                                         temperature)
               - scoring.response_logprobs(policy_cfg, reference, query, query_mask, response,
                                           temperature))
-        return response, ref_response, scores, ref_scores, jnp.sum(kl, axis=1)
+        return scored[0], ref_scored[0], jnp.sum(kl, axis=1), scored[3], ref_scored[3]
 
-    out = run(policy, reference, reward_params, query, query_mask, policy_key, reference_key)
+    if functions:  # sampling, the host's Python functions, scoring: two programs
+        samples = jax.jit(sample_both)(policy, reference, query, query_mask, policy_key,
+                                       reference_key)
+        host = tuple(_host_scores(functions, prompts, cfg, mesh, x) for x in samples)
+        out = samples + jax.jit(score)(policy, reference, reward_params, query, query_mask,
+                                       *samples, host)
+    else:
+        @jax.jit
+        def run(policy, reference, reward_params, query, query_mask, policy_key,
+                reference_key):
+            samples = sample_both(policy, reference, query, query_mask, policy_key,
+                                  reference_key)
+            return samples + score(policy, reference, reward_params, query, query_mask,
+                                   *samples)
+        out = run(policy, reference, reward_params, query, query_mask, policy_key,
+                  reference_key)
     # Batch-sharded over all processes' devices: gathered whole on every process.
-    response, ref_response, scores, ref_scores, kl = (distributed.host_array(x) for x in out)
+    response, ref_response, scores, ref_scores, kl, terms, ref_terms = (
+        None if x is None else distributed.host_array(x) for x in out)
     result = {
         "checkpoint_step": step,
         "num_prompts": num_prompts,
@@ -141,6 +180,11 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
         "temperature": temperature,
         "greedy": ev.greedy,
     }
+    names = tuple(getattr(reward_fn, "names", ()))
+    if terms is not None:  # a reward of weighted terms: each term's own mean
+        result["terms"] = {name: {"policy_mean": float(terms[:, j].mean()),
+                                  "reference_mean": float(ref_terms[:, j].mean())}
+                           for j, name in enumerate(names)}
     q, m = distributed.host_array(query), distributed.host_array(query_mask)
     if not distributed.is_chief():  # process 0 writes the report
         return result
@@ -157,6 +201,17 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
                                          cfg.pad_token_id)[0]
         return tokenizer.decode([int(t) for t in row if t != cfg.pad_token_id])
 
+    metadata = (prompts.records(0, range(num_prompts), 1)[1]
+                if getattr(prompts, "fields", ()) else {})
+
+    def row_extras(i):
+        """A row's prompt-record fields and, for a reward of terms, each term's score."""
+        extras = {"metadata": {k: v[i] for k, v in metadata.items()}} if metadata else {}
+        if terms is not None:
+            extras["policy_terms"] = {n: float(terms[i, j]) for j, n in enumerate(names)}
+            extras["reference_terms"] = {n: float(ref_terms[i, j]) for j, n in enumerate(names)}
+        return extras
+
     with open(os.path.join(out_dir, "samples.jsonl.tmp"), "w") as f:
         for i in range(num_prompts):
             f.write(json.dumps({
@@ -164,7 +219,7 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
                 "policy_response": shown(response[i]),
                 "reference_response": shown(ref_response[i]),
                 "policy_reward": float(scores[i]), "reference_reward": float(ref_scores[i]),
-                "kl": float(kl[i])}, ensure_ascii=False) + "\n")
+                "kl": float(kl[i]), **row_extras(i)}, ensure_ascii=False) + "\n")
     os.replace(os.path.join(out_dir, "samples.jsonl.tmp"), os.path.join(out_dir, "samples.jsonl"))
     with open(os.path.join(out_dir, "eval.json.tmp"), "w") as f:
         json.dump(result, f, indent=2)

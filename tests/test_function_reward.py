@@ -10,6 +10,7 @@
   `error:` line before anything is compiled (a dry call at launch), and a failure in the
   middle of training leaves the latest checkpoint and every earlier file intact;
 - the split rollout (sampling, host, scoring) computes what the single program does;
+- pjit-ppo-evaluate scores held-out samples with the function (and reports each term);
 - the planner plans a run with function terms;
 - GRPO with the built-in exact-match and format-check functions (pjit_ppo.rewards.
   functions) as weighted terms learns on text prompts with an `answer` field.
@@ -232,6 +233,42 @@ def test_the_scores_training_uses_are_the_functions_own(inputs, reference):
             assert line["metadata"] == {"answer": call["metadata"]["answer"][k],
                                         "difficulty": call["metadata"]["difficulty"][k]}
 
+
+
+@pytest.mark.slow
+def test_evaluate_scores_held_out_prompts_with_the_function(inputs, reference, tmp_path):
+    """pjit-ppo-evaluate on a run with a function reward: the policy's and the reference's
+    samples are scored by the same function on the host (one call each, every held-out
+    row with its own prompt record), eval.json's means are those scores with the
+    missing-stop penalty, and samples.jsonl carries each row's metadata."""
+    args = [a for a in _args(inputs, reference["workdir"]) if not a.startswith(
+        ("--config.num_iterations", "--config.checkpoint.every"))]
+    log = tmp_path / "eval_calls.jsonl"
+    proc = subprocess.run(runs.command("evaluate.py", *args, "--config.evaluation.num_prompts=16",
+                                       "--config.evaluation.greedy=true"),
+                          cwd=runs.ROOT, env=runs.env(DEVICES, REWARD_LOG=str(log)),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = reference["workdir"] / "eval" / str(ITERATIONS)
+    result = json.loads((out / "eval.json").read_text())
+    rows = [json.loads(line) for line in open(out / "samples.jsonl")]
+    policy_call, reference_call = _calls(log)  # one call per policy
+    assert result["num_prompts"] == len(rows) == 16
+    for call, key in ((policy_call, "policy"), (reference_call, "reference")):
+        assert len(call["responses"]) == 16
+        penalised = [s if r.endswith(".") else -1.0
+                     for s, r in zip(call["scores"], call["responses"])]
+        mean = result["reward_mean" if key == "policy" else "reference_reward_mean"]
+        assert mean == pytest.approx(np.mean(penalised), abs=1e-6)
+        for row, prompt, response, score, answer in zip(
+                rows, call["prompts"], call["responses"], penalised, call["metadata"]["answer"]):
+            assert row["prompt"] == prompt
+            assert row[f"{key}_response"] == response
+            assert row[f"{key}_reward"] == score
+            record = inputs["records"][prompt]
+            assert answer == record["answer"]
+            assert row["metadata"] == {"answer": record["answer"],
+                                       "difficulty": record["difficulty"]}
 
 @pytest.mark.slow
 def test_kill_9_then_the_same_command_continues_exactly(inputs, reference, tmp_path):
