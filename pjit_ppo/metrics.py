@@ -101,6 +101,25 @@ class JsonlWriter(MetricWriter):
             self._file = None
 
 
+def summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch.
+
+    tensorboardX imports torch whenever it is installed (1.5-3 s of every launch) only to
+    accept torch tensors, which this library never passes; its import of torch is
+    guarded, so hiding torch while it loads skips it. torch stays importable afterwards.
+    """
+    import sys
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardWriter(MetricWriter):
     """One tensorboardX ``add_scalar`` per key, with global_step = step.
 
@@ -113,8 +132,7 @@ class TensorBoardWriter(MetricWriter):
         self.logdir = logdir
         self._writer = None
         if _is_chief():
-            from tensorboardX import SummaryWriter  # heavy import, chief only
-            self._writer = SummaryWriter(logdir, purge_step=purge_step)
+            self._writer = summary_writer_class()(logdir, purge_step=purge_step)
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         if self._writer is None:

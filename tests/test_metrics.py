@@ -201,3 +201,25 @@ def test_default_console_keys():
     assert metrics.DEFAULT_CONSOLE_KEYS == (
         "objective/scores", "objective/kl", "objective/kl_coef", "ppo/loss/total",
         "time/rollout_s", "time/update_s")
+
+
+def test_tensorboard_writer_loads_without_torch(tmp_path):
+    """A fresh process writes TensorBoard events without importing torch (tensorboardX would
+    import it, seconds of every launch), and torch is still importable afterwards."""
+    import subprocess
+    import sys
+    code = f"""
+import sys
+from pjit_ppo import metrics
+w = metrics.TensorBoardWriter({str(tmp_path)!r})
+w.write(1, {{"a": 1.5}})
+w.close()
+print("torch" in sys.modules)
+import torch
+print(torch.ones(2).sum().item())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=dict(__import__("os").environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "2.0"]
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
