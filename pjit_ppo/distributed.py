@@ -340,8 +340,16 @@ def is_peer_failure(error: BaseException) -> bool:
     import jax
     markers = ("gloo", "connection", "peer", "unavailable", "deadline_exceeded", "barrier",
                "heartbeat", "task")
-    return (isinstance(error, getattr(jax.errors, "JaxRuntimeError", RuntimeError))
-            and any(m in str(error).lower() for m in markers))
+    runtime_error = getattr(jax.errors, "JaxRuntimeError", RuntimeError)
+    seen = set()
+    while error is not None and id(error) not in seen:  # Orbax wraps the runtime's error
+        seen.add(id(error))
+        text = str(error).lower()
+        if "gloo" in text or (isinstance(error, runtime_error)
+                              and any(m in text for m in markers)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def peer_failure_message(error: BaseException) -> Optional[str]:
@@ -352,6 +360,8 @@ def peer_failure_message(error: BaseException) -> Optional[str]:
         return None
     if not is_peer_failure(error):
         return None
+    while isinstance(error.__cause__, BaseException):
+        error = error.__cause__  # the runtime's own words, not a wrapper's
     text = str(error).strip()
     first = text.splitlines()[0][:300] if text else type(error).__name__
     return (f"process {process_index()} lost contact with the other processes of the run "

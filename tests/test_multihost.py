@@ -455,6 +455,19 @@ def test_peer_failures_are_told_apart_from_other_runtime_errors():
     assert distributed.is_peer_failure(lost)
     assert not distributed.is_peer_failure(oom)
     assert not distributed.is_peer_failure(ValueError("connection"))
+    # A checkpoint save whose cross-process sync met the dead peer (the CI failure of
+    # 2026-12-04: reported as a disk problem) is the peer's story too.
+    from pjit_ppo.errors import CheckpointError
+    try:
+        try:
+            raise lost
+        except Exception as e:
+            raise CheckpointError("saving checkpoint 1 failed: UNKNOWN: Gloo AllGather "
+                                  "failed; check free disk space") from e
+    except CheckpointError as wrapped:
+        assert distributed.is_peer_failure(wrapped)
+    disk = CheckpointError("saving checkpoint 1 failed: No space left on device")
+    assert not distributed.is_peer_failure(disk)
     # One process: never a peer failure message.
     assert distributed.peer_failure_message(lost) is None
 

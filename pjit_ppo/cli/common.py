@@ -128,6 +128,14 @@ def user_errors():
         print(f"error: training stopped: {e}", file=sys.stderr)
         sys.exit(1)
     except CheckpointError as e:
+        # A save fails in its cross-process sync when another process died: that is the
+        # lost process's story, not the disk's.
+        lost = distributed.peer_failure_message(e)
+        if lost is not None:
+            sys.stdout.flush()
+            sys.stderr.write(f"\nerror: distributed: {lost}\n")
+            sys.stderr.flush()
+            os._exit(1)
         # Orbax's writer threads may still be failing in the background; leave at once,
         # with our message last, rather than through their teardown tracebacks.
         sys.stdout.flush()
