@@ -37,7 +37,7 @@ setuptools.setup(
         # transformers (PyTorch models) is only needed to check parity and to
         # make tiny checkpoints in tests; torch is pinned to the CPU wheel.
         "test": ["pytest>=8", "torch==2.13.0", "vaderSentiment==3.3.2", "matplotlib>=3.8",
-                 "datasets>=3"],
+                 "datasets>=3", "peft==0.21.2"],
         # The embedded demo (launch/demo.py): VADER, the gold sentiment judge, and plots.
         "demo": ["vaderSentiment==3.3.2", "matplotlib>=3.8"],
     },
@@ -51,6 +51,7 @@ setuptools.setup(
             "pjit-ppo-reward = pjit_ppo.cli.train_reward:run_main",
             "pjit-ppo-dpo = pjit_ppo.cli.train_dpo:run_main",
             "pjit-ppo-demo = pjit_ppo.cli.demo:run_main",
+            "pjit-ppo-demo-math = pjit_ppo.cli.demo_math:run_main",
         ],
     },
 )

@@ -112,6 +112,16 @@ def _mesh(data: int, fsdp: int, tensor: int) -> Callable[[RunConfig], None]:
     return apply
 
 
+def use_lora(rank: int = 16, alpha: float = 32.0) -> Callable[[RunConfig], None]:
+    """LoRA adapters of `rank` on every attention and MLP projection of the policy and
+    (ppo.critic_lora, the default) of the critic: the base weights stay frozen in the
+    compute dtype and serve as the reference too; only adapters have gradients and Adam
+    moments."""
+    def apply(config: RunConfig) -> None:
+        config.model.lora.rank, config.model.lora.alpha = rank, alpha
+    return apply
+
+
 COMMON_VARIANTS: Dict[str, Callable[[RunConfig], None]] = {
     "random": use_random_models,
     "fsdp": _mesh(1, -1, 1),

@@ -15,6 +15,9 @@ Variants (--config=configs/gptj_6b.py:ARG, comma-separated; also fsdp, dp, tpN f
 configs/base.py):
   ""      PPO with GAE and a separate critic (from the reward model's trunk)
   "grpo"  critic-free GRPO, 4 samples per prompt (128 prompts x 4), no critic at all
+  "lora"  LoRA adapters (rank 16) on the policy and the critic; base = reference, reward
+          frozen: python launch/plan.py --config=configs/gptj_6b.py:lora --devices=8
+          --device_memory=16GB
 
 Memory options (per device; the planner's figures, dated, are in docs/performance.md):
   ppo.gradient_accumulation_steps  the update's micro-batch = 512 / this: 64 -> 8 episodes
@@ -61,7 +64,15 @@ def grpo(config: RunConfig) -> None:
     config.ppo.kl_loss_coef = 0.04
 
 
-VARIANTS = {"grpo": grpo}
+def lora(config: RunConfig) -> None:
+    """LoRA (rank 16, alpha 32) on the policy's and the critic's attention and MLP
+    projections: the policy's bf16 base is also the reference, the critic's adapters sit
+    on the frozen reward model's trunk, the reward model is frozen; fp32 weights and Adam
+    moments only for the adapters and the value head. Fits 8 x 16 GB at batch 512."""
+    base.use_lora(rank=16, alpha=32.0)(config)
+
+
+VARIANTS = {"grpo": grpo, "lora": lora}
 
 
 def get_config(arg: str = "") -> RunConfig:

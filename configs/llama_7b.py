@@ -23,6 +23,9 @@ Files a real run reads (override with --config.model.policy_path=... etc.):
 Variants (:ARG, comma-separated): random, fsdp, dp, tpN (configs/base.py; tp2..tp32 divide
 its heads), and
   16dev     16 devices (2 hosts of 8): micro-batches of 32 episodes per device group
+  grpo      critic-free GRPO, 64 prompts x 8 samples, query 256, response 256
+  lora      LoRA adapters (rank 16) on the policy (and a critic); base = reference
+            (lora,grpo: one 80 GB device)
 """
 import os
 import sys
@@ -44,7 +47,26 @@ def sixteen_devices(config: RunConfig) -> None:
     config.ppo.gradient_accumulation_steps = 4
 
 
-VARIANTS = {"16dev": sixteen_devices}
+def grpo(config: RunConfig) -> None:
+    """Critic-free GRPO: 64 prompts x 8 samples (batch 512), 256-token queries and
+    256-token responses, the KL as a loss term, sequence-mean loss."""
+    config.ppo.advantage_estimator = "grpo"
+    config.ppo.samples_per_prompt = 8
+    config.ppo.loss_aggregation = "sequence_mean"
+    config.ppo.kl_loss_coef = 0.04
+    config.ppo.query_length, config.ppo.response_length = 256, 256
+    config.ppo.truncate_after = 16
+
+
+def lora(config: RunConfig) -> None:
+    """LoRA (rank 16, alpha 32) on every attention and MLP projection: the bf16 base is
+    the reference too (13.5 GB once), the reward model frozen in bf16; with "grpo" one
+    80 GB device holds the run (python launch/plan.py --config=configs/llama_7b.py:lora,grpo
+    --devices=1 --device_memory=80GB)."""
+    base.use_lora(rank=16, alpha=32.0)(config)
+
+
+VARIANTS = {"16dev": sixteen_devices, "grpo": grpo, "lora": lora}
 
 
 def get_config(arg: str = "") -> RunConfig:

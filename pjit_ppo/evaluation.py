@@ -1,6 +1,8 @@
 """Evaluate a checkpoint: the policy against the reference policy on held-out prompts.
 
-Restores only the policy parameters of one checkpoint (no optimizer state is read),
+Restores only the policy parameters of one checkpoint (no optimizer state is read; a
+run with LoRA adapters: the adapters, merged into its base model after checking the
+base's fingerprint, `pjit_ppo.lora_checkpoints`),
 samples one response per prompt from the policy and from the reference policy (the
 run's initial policy), scores both with the run's reward and post-processing, and
 measures the KL of the policy to the reference on the policy's samples. Writes
@@ -25,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from pjit_ppo import (checkpoint, distributed, param_makers, rewards, rng, sample_table,
-                      sampling, sharding)
+from pjit_ppo import (checkpoint, distributed, lora_checkpoints, param_makers, rewards, rng,
+                      sample_table, sampling, sharding)
 from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
 from pjit_ppo.config.sections import DEFAULT_EVAL_PROMPTS
 from pjit_ppo.loading import load_lm
@@ -109,10 +111,14 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     policy_cfg, initial = load_lm(config.model, config.model.policy_path, mesh, cfg.seed)
     reference = assemble.make_frozen(initial, policy_cfg.compute_dtype)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          initial)
-    jax.tree.map(lambda x: x.delete(), initial)
-    _, policy = ckpt.restore_policy(step, target)
+    adapted = lora_checkpoints.adapted_config(config.model, policy_cfg)
+    if adapted is not None:  # LoRA: the checkpoint's adapters merged into the base
+        policy = lora_checkpoints.merged_policy(ckpt, step, run_info, adapted, initial, mesh)
+    else:
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), initial)
+        jax.tree.map(lambda x: x.delete(), initial)
+        _, policy = ckpt.restore_policy(step, target)
     reward = rewards.build(config, param_makers.Loaded(mesh))
     reward_fn, reward_params = reward.fn, reward.params
     functions = rewards.host_functions(reward_fn)

@@ -1,6 +1,6 @@
 """Loading what every stage starts from, owned by none: a language model (an HF
-directory, or random init from a config dict), its tokenizer's files, a run's
-config.json, and how much memory one device has.
+directory, or random init from a config dict; with LoRA adapters merged in), its
+tokenizer's files, a run's config.json, and how much memory one device has.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jax
 
 from pjit_ppo import sharding
 from pjit_ppo.config import ModelOptions
-from pjit_ppo.models import ModelConfig, init_params, load_pretrained
+from pjit_ppo.models import ModelConfig, init_params, load_pretrained, lora
 
 #: The files of an HF tokenizer directory that are copied next to a stage's output model.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -30,6 +30,18 @@ def load_lm(options: ModelOptions, path: str, mesh, seed: int):
     params = sharding.init_sharded(functools.partial(init_params, config), mesh,
                                    jax.random.PRNGKey(seed))
     return config, params
+
+
+def merged_lm(options: ModelOptions, path: str, mesh, seed: int, spec, adapters):
+    """(ModelConfig, fp32 params) of `load_lm` with LoRA adapters merged in: each adapted
+    weight becomes W + alpha / rank * A @ B in float32 (`lora.merge`), an ordinary model
+    (what SFT and DPO save and `pjit-ppo-export` writes for a run with adapters). The
+    base is read (or drawn) again in float32, so the merge keeps its full precision."""
+    config, params = load_lm(options, path, mesh, seed)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    merged = jax.jit(functools.partial(lora.merge, spec), out_shardings=shardings,
+                     donate_argnums=0)(params, adapters)
+    return config, merged
 
 
 def lm_config(options: ModelOptions, path: str) -> ModelConfig:

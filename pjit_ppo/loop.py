@@ -100,6 +100,8 @@ class Stage:
     fix: what the NonFiniteError tells the user to do.
     begin: before the step-0 evaluation of a fresh run (not of a resumed one).
     finish: after the last step's lines, before the final checkpoint.
+    step_key: 0-based step -> a PRNG key passed to step_fn as a fourth argument (LoRA
+      dropout); None: step_fn takes three.
     """
 
     name: str
@@ -121,6 +123,7 @@ class Stage:
     fix: str = "lower lr or set max_grad_norm"
     begin: Optional[Hook] = None
     finish: Optional[Hook] = None
+    step_key: Optional[Callable[[int], Any]] = None
 
 
 @dataclasses.dataclass
@@ -204,6 +207,19 @@ class Checkpoints:
                                 f"data were {was}, now {now}; restore the original files or "
                                 f"use a new --workdir")
         return step
+
+    def check_base(self, fingerprint: str) -> None:
+        """Records the fingerprint of the frozen base weights LoRA adapters train on
+        (`pjit_ppo.models.lora.fingerprint`) in every checkpoint; on a resume, refuses
+        (ConfigError) a base other than the checkpoint's."""
+        saved = self._saved.get("lora_base") if self.start else None
+        if self.start and saved != fingerprint:
+            raise ConfigError(
+                f"cannot resume from checkpoint {self.start} in {self.checkpointer.directory}: "
+                f"its LoRA adapters were trained on base weights with fingerprint {saved}, "
+                f"these have {fingerprint}; point model.policy_path at the original base "
+                f"model or use a new --workdir")
+        self.run_info["lora_base"] = fingerprint
 
     def save(self, step: int, params, opt_state, progress: Progress) -> None:
         """Checkpoint `step` (asynchronous when checkpoint.async_save)."""
@@ -348,7 +364,8 @@ def fit(stage: Stage, params, opt_state, *, workdir: str,
                 progress.first_eval = dict(progress.last_eval)
             t0, timed = time.perf_counter(), 0
             for step in range(start, total):
-                params, opt_state, metrics = stage.step_fn(params, opt_state, batch(step))
+                keys = () if stage.step_key is None else (stage.step_key(step),)
+                params, opt_state, metrics = stage.step_fn(params, opt_state, batch(step), *keys)
                 metrics = _host_floats(metrics)
                 done, timed = step + 1, timed + 1
                 _check_finite(stage, metrics, done)

@@ -14,6 +14,9 @@ A maker's operations:
   compute(fn, shardings, *args)
                             fn(*args) as one jitted program with those out_shardings
   copy(tree, dtype=None)    new buffers of `tree` (floats cast to dtype), same shardings
+
+`adapted_lm(make, options, path, seed)` makes a model with LoRA adapters (model.lora):
+its frozen base in the compute dtype and fresh adapters, on any maker.
 """
 from __future__ import annotations
 
@@ -23,9 +26,9 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from pjit_ppo import sharding
+from pjit_ppo import rng, sharding
 from pjit_ppo.loading import lm_config, load_lm
-from pjit_ppo.models import assemble, init_params
+from pjit_ppo.models import assemble, init_params, lora
 
 
 def _shardings(tree):
@@ -80,3 +83,29 @@ def _with(shapes, shardings):
     """ShapeDtypeStructs of `shapes` carrying the matching leaf of `shardings`."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
+
+
+def adapters(make, config, seed: int, stream: int = 0):
+    """Fresh adapters of an adapted ModelConfig (`lora.init_adapters`), float32, sharded
+    like their base weights, drawn from rng.stream_key(seed, "lora_init", stream): the
+    policy's (stream 0) and a critic's (1) differ; any mesh draws the same."""
+    shapes = lora.adapter_shapes(config)
+    key = rng.stream_key(seed, "lora_init", stream)
+    return make.compute(functools.partial(lora.init_adapters, config),
+                        sharding.param_shardings(shapes, make.mesh), key)
+
+
+def adapted_lm(make, options, path: str, seed: int, stream: int = 0):
+    """A language model with LoRA adapters (options.lora, rank > 0): (adapted ModelConfig,
+    frozen base tree in the compute dtype, float32 adapters), all sharded on make's mesh.
+
+    The base is `make.lm(options, path, seed)` cast to model.compute_dtype (new buffers;
+    with float32 compute the loaded tree itself, nothing being trained in it); the fp32
+    copy is not kept. Raises ConfigError when model.lora.targets match no projection.
+    """
+    config, params = make.lm(options, path, seed)
+    config = lora.with_adapters(config, lora.spec_from_options(options.lora))
+    base = params if config.compute_dtype == "float32" else make.copy(params,
+                                                                       config.compute_dtype)
+    del params
+    return config, base, adapters(make, config, seed, stream)

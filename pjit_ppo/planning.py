@@ -14,7 +14,9 @@ phase without being an argument of its program: the optimizer state through the
 rollout (the rollout reads only the parameters), the frozen models through the update.
 Beside XLA's figures, an analytic breakdown (`pjit_ppo.ppo.memory_plan`) says where the
 bytes go. `largest_micro_batch` compiles a phase at several micro-batch sizes and
-returns the largest that fits the device memory.
+returns the largest that fits the device memory. The plan also counts the trainable and
+total parameters and splits the resident bytes into the LoRA base, adapters, other
+trained parameters, optimizer state and frozen models (`resident_breakdown_bytes`).
 
 A running trainer's compiled programs give the same figures
 (`pjit_ppo.ppo.memory_plan.trainer_plan`), which is what a training run logs at its start.
@@ -114,7 +116,8 @@ def phase_peak_at(config: RunConfig, mesh, phase: str, micro: int) -> Dict[str, 
     compiled = run.trainer.lower(run.state, run.frozen, run.query, run.query_mask)[phase] \
         .compile()
     figures = xla_figures(compiled)
-    peak = phase_peak(figures, resident_elsewhere(phase, run.state, run.frozen))
+    peak = phase_peak(figures, resident_elsewhere(phase, run.state, run.frozen,
+                                                  run.trainer.models))
     return {"micro_batch": micro, "peak_bytes": peak,
             "compile_seconds": time.perf_counter() - t0}
 
@@ -157,6 +160,11 @@ def to_text(result: Dict[str, Any]) -> str:
     lines = [f"devices: {result['devices']}  mesh: {result.get('mesh')}  device memory: "
              f"{gb(result['device_memory_bytes'])}",
              f"compile: {result.get('compile_seconds') or 0:.1f} s"]
+    if "trainable_parameters" in result:
+        lines.append(f"parameters: {result['trainable_parameters']:,} trainable of "
+                     f"{result['total_parameters']:,}")
+    for name, n in (result.get("resident_breakdown_bytes") or {}).items():
+        lines.append(f"  resident {name:<18} {gb(n)}")
     for phase in PHASES:
         p = result["phases"][phase]
         lines.append(f"\n[{phase}] per device")

@@ -10,7 +10,8 @@ import jax
 
 #: The purposes a run draws randomness for. A purpose's stream depends only on its
 #: name (through a CRC), so adding a purpose never changes the others.
-PURPOSES = ("prompts", "sample", "update", "eval_prompts", "eval_sample")
+PURPOSES = ("prompts", "sample", "update", "eval_prompts", "eval_sample", "lora_init",
+            "lora_dropout")
 
 
 def purpose_id(purpose: str) -> int:

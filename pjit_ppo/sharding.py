@@ -7,7 +7,8 @@ Two tables decide where every parameter lives:
 * axis rules: logical axis -> mesh axis (or tuple of mesh axes, or None).
 
 So switching between FSDP, tensor parallelism or both is a change of the axis
-rules only. Mesh axes are always `data`, `fsdp`, `tensor`.
+rules only. Mesh axes are always `data`, `fsdp`, `tensor`. LoRA adapters (`lora_a`,
+`lora_b` beside a weight `w`) take their axes from the weight's rule (`_adapter_axes`).
 """
 from __future__ import annotations
 
@@ -100,7 +101,29 @@ def path_str(path) -> str:
     return "/".join(parts)
 
 
+def _adapter_axes(name: str, shape, compiled) -> Optional[tuple]:
+    """The logical axes of a LoRA adapter leaf (`pjit_ppo.models.lora`) from its base
+    weight's rule: lora_a [layers?, *in, rank] keeps the weight's input axes, lora_b
+    [layers?, rank, *out] its output axes; the rank axis is replicated. None for other
+    leaves."""
+    module, _, leaf = name.rpartition("/")
+    if leaf not in ("lora_a", "lora_b"):
+        return None
+    base = f"{module}/w"
+    for pattern, axes in compiled:
+        if pattern.search(base):
+            lead = 1 if axes and axes[0] == "layers" else 0
+            n = len(shape) - 1 - lead  # input dims of lora_a, output dims of lora_b
+            if leaf == "lora_a":
+                return tuple(axes[:lead + n]) + (None,)
+            return tuple(axes[:lead]) + (None,) + tuple(axes[len(axes) - n:])
+    return None
+
+
 def _match(name: str, shape, compiled) -> tuple:
+    adapter = _adapter_axes(name, shape, compiled)
+    if adapter is not None:
+        return adapter
     for pattern, axes in compiled:
         if pattern.search(name):
             if len(axes) != len(shape):

@@ -62,7 +62,7 @@ def _zero_stats(loss_fn: LossFn, params, example):
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, params,
-                    opt_state, mesh: Mesh):
+                    opt_state, mesh: Mesh, *, frozen=None, keyed: bool = False):
     """A jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`.
 
     batch: a dict of arrays [gas, micro, ...] (gas = gradient accumulation steps),
@@ -70,7 +70,56 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pa
     params and opt_state are donated and come back with the same shardings.
     metrics: {stat: sum / weight for every stat but "weight", "weight": total weight,
     "grad_norm": global norm of the mean gradient (before clipping)}; float32 scalars.
+
+    frozen: a pytree every step reads and never trains (LoRA's base weights), an
+    argument of the compiled step (not a constant in it, not donated); keyed: the step
+    takes a fourth argument, a PRNG key (LoRA dropout). With either, loss_fn is called
+    as loss_fn(params, micro_batch, frozen, key), key being the step key folded with the
+    micro-batch's index (None when not keyed).
     """
+    if frozen is None and not keyed:
+        return _plain_train_step(loss_fn, optimizer, params, opt_state, mesh)
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def step(params, opt_state, batch, frozen, key):
+        first = jax.tree.map(lambda x: x[0], batch)
+        stats = _zero_stats(lambda p, b: loss_fn(p, b, frozen, key), params, first)
+        zero = (jax.tree.map(jnp.zeros_like, params), stats)
+
+        def micro(acc, xs):
+            mb, i = xs
+            grads, stats = grad_fn(params, mb, frozen,
+                                   None if key is None else jax.random.fold_in(key, i))
+            return jax.tree.map(jnp.add, acc, (grads, stats)), None
+
+        n = jax.tree.leaves(batch)[0].shape[0]
+        (grads, stats), _ = jax.lax.scan(micro, zero, (batch, jnp.arange(n)))
+        return _apply(optimizer, params, opt_state, grads, stats)
+
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+    jitted = jax.jit(step, out_shardings=(param_sh, opt_sh, sharding.replicated(mesh)),
+                     donate_argnums=(0, 1))
+
+    def run(params, opt_state, batch, key=None):
+        return jitted(params, opt_state, batch, frozen, key)
+    return run
+
+
+def _apply(optimizer, params, opt_state, grads, stats):
+    """The optimizer step on summed gradients and stats: (params, opt_state, metrics)."""
+    weight = jnp.maximum(stats["weight"], 1.0)
+    grads = jax.tree.map(lambda g: g / weight, grads)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {k: v / weight for k, v in stats.items() if k != "weight"}
+    metrics.update(weight=stats["weight"], grad_norm=grad_norm)
+    return params, opt_state, metrics
+
+
+def _plain_train_step(loss_fn: LossFn, optimizer, params, opt_state, mesh: Mesh):
+    """`make_train_step` without frozen inputs or keys."""
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
     def step(params, opt_state, batch):
@@ -82,14 +131,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pa
             return jax.tree.map(jnp.add, acc, (grads, stats)), None
 
         (grads, stats), _ = jax.lax.scan(micro, zero, batch)
-        weight = jnp.maximum(stats["weight"], 1.0)
-        grads = jax.tree.map(lambda g: g / weight, grads)
-        grad_norm = optax.global_norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = {k: v / weight for k, v in stats.items() if k != "weight"}
-        metrics.update(weight=stats["weight"], grad_norm=grad_norm)
-        return params, opt_state, metrics
+        return _apply(optimizer, params, opt_state, grads, stats)
 
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
@@ -97,10 +139,15 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pa
                    donate_argnums=(0, 1))
 
 
-def make_eval_step(loss_fn: LossFn, mesh: Mesh):
-    """A jitted `(params, batch) -> stats sums` over one batch [B, ...] (no gradient)."""
-    return jax.jit(lambda params, batch: loss_fn(params, batch)[1],
-                   out_shardings=sharding.replicated(mesh))
+def make_eval_step(loss_fn: LossFn, mesh: Mesh, *, frozen=None):
+    """A jitted `(params, batch) -> stats sums` over one batch [B, ...] (no gradient).
+    frozen: as in `make_train_step` (loss_fn then gets it, and key None)."""
+    if frozen is None:
+        return jax.jit(lambda params, batch: loss_fn(params, batch)[1],
+                       out_shardings=sharding.replicated(mesh))
+    jitted = jax.jit(lambda params, batch, frozen: loss_fn(params, batch, frozen, None)[1],
+                     out_shardings=sharding.replicated(mesh))
+    return lambda params, batch: jitted(params, batch, frozen)
 
 
 def evaluate(eval_step, params, mesh: Mesh, batches) -> Dict[str, float]:

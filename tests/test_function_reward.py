@@ -442,16 +442,22 @@ def _tiny_run_config(**ppo):
 
 
 @pytest.mark.slow
-def test_the_split_rollout_computes_what_the_single_program_computes():
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_the_split_rollout_computes_what_the_single_program_computes(lora_rank):
     """The same reward computed on the host (a Python function of the sampled tokens)
     instead of in the program: the same samples, scores, advantages and metrics; the
-    host is called once per rollout micro-batch with this process's rows of it."""
+    host is called once per rollout micro-batch with this process's rows of it. With
+    LoRA adapters (lora_rank 4) the sampling program reads them on their base."""
     from pjit_ppo.ppo import run as run_lib
     from pjit_ppo.ppo.trainer import PPOTrainer
     from pjit_ppo.rewards import HostFunction
     from pjit_ppo.rewards.function import HostScores
     config = _tiny_run_config(truncate_token=9, truncate_after=2)
+    config.model.lora.rank = lora_rank
     job = run_lib.build(config)
+    state = job.state
+    if lora_rank:  # adapters away from zero, so that sampling without them would differ
+        state = state._replace(params=jax.tree.map(lambda x: x + 0.3, state.params))
     whole = job.trainer
     models = dataclasses.replace(whole.models, reward_fn=HostScores(
         (HostFunction("never_imported:fn"),)))
@@ -467,9 +473,11 @@ def test_the_split_rollout_computes_what_the_single_program_computes():
     assert split.host_columns == 1 and whole.host_columns == 0
     query, mask = job.prompts(0)
     for trainer in (whole, split):  # the rollout programs alone (the update is not needed)
-        trainer._rollout = trainer.lower(job.state, job.frozen, query, mask)["rollout"].compile()
-    a, ma = whole.rollout(job.state, job.frozen, query, mask, 0)
-    b, mb = split.rollout(job.state, job.frozen, query, mask, 0)
+        trainer._rollout = trainer.lower(state, job.frozen, query, mask)["rollout"].compile()
+    a, ma = whole.rollout(state, job.frozen, query, mask, 0)
+    b, mb = split.rollout(state, job.frozen, query, mask, 0)
+    if lora_rank:  # the adapters are read: the policy is not the reference
+        assert float(np.abs(np.asarray(a.logprobs - a.ref_logprobs)).max()) > 1e-3
     # Micro-batch c: the c-th 2 of each device's 4 rows.
     assert calls == [(0, [d * 4 + c * 2 + k for d in range(8) for k in range(2)])
                      for c in range(2)]

@@ -36,6 +36,11 @@ def get_config(arg=""):
                      checkpoint=CheckpointOptions(every=2, keep=2))
 """
 
+#: SFT with LoRA adapters (dropout on: every step draws its own keys, also after a resume).
+SFT_LORA_RECIPE = SFT_RECIPE.replace("ModelOptions(random={random!r})",
+                                     "ModelOptions(random={random!r}, lora=dict(rank=4, "
+                                     "alpha=8.0, dropout=0.1))")
+
 REWARD_RECIPE = """
 from pjit_ppo.config import CheckpointOptions, ModelOptions, RewardLearningConfig
 
@@ -52,6 +57,7 @@ def get_config(arg=""):
 #: stage -> (entry point, output directory, its files compared byte for byte, total steps)
 STAGES = {
     "sft": ("train_sft.py", "model", ("model.safetensors", "config.json"), 30),
+    "sft_lora": ("train_sft.py", "model", ("model.safetensors", "config.json"), 30),
     # 100 labels: 10 held out, 90 -> 11 steps of 8 per epoch, 2 epochs.
     "reward": ("train_reward.py", "reward_model",
                ("model.safetensors", "reward_head.safetensors", "reward_model.json"), 22),
@@ -68,7 +74,10 @@ def recipes(tmp_path_factory):
     fields = dict(random=tiny_text.model_random(), tok=str(d / "tok"))
     (d / "sft.py").write_text(SFT_RECIPE.format(corpus=str(d / "corpus.txt"), **fields))
     (d / "reward.py").write_text(REWARD_RECIPE.format(labels=labels, **fields))
-    return {"sft": str(d / "sft.py"), "reward": str(d / "reward.py"), "corpus": d / "corpus.txt"}
+    (d / "sft_lora.py").write_text(SFT_LORA_RECIPE.format(corpus=str(d / "corpus.txt"),
+                                                          **fields))
+    return {"sft": str(d / "sft.py"), "reward": str(d / "reward.py"),
+            "sft_lora": str(d / "sft_lora.py"), "corpus": d / "corpus.txt"}
 
 
 def _args(recipes, stage, workdir, *overrides):
@@ -118,7 +127,7 @@ def _checkpoints(workdir):
         if os.path.isdir(workdir / "checkpoints") else []
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward"])
+@pytest.mark.parametrize("stage", ["sft", "reward", "sft_lora"])
 def test_sigterm_then_kill_9_then_same_command_ends_as_uninterrupted(recipes, references, stage,
                                                                      tmp_path):
     """One run interrupted twice, as a user meets it: SIGTERM saves and exits 0, and the

@@ -8,7 +8,7 @@ ignored; `validate()` raises `ConfigError` naming the field, its value and the f
 No module here imports jax (the launch pre-flight runs before it).
 
   checks.py    type, finiteness, range and choice checks every section uses
-  sections.py  the shared sections: mesh, model, sampler, query/response sequences
+  sections.py  the shared sections: mesh, model (with its LoRA adapters), sampler, query/response sequences
                (SequenceOptions, declared once for PPO and reward learning), reward,
                prompts, checkpoints, evaluation, profiling
   ppo.py       PPOConfig (the `ppo` section) and PPORunConfig (a whole PPO run)
@@ -22,10 +22,11 @@ from pjit_ppo.config.ppo import (ADVANTAGE_ESTIMATORS, CRITIC_FREE_ESTIMATORS, C
 from pjit_ppo.config.resume import RESUMABLE_CHANGES, json_round_trip, resume_conflicts
 from pjit_ppo.config.dpo import DPO_LOSS_TYPES, DPOConfig
 from pjit_ppo.config.reward import RewardLearningConfig
-from pjit_ppo.config.sections import (COMPUTE_DTYPES, FROM_TOKENIZER, OPTIMIZERS, PROMPT_FORMATS, REWARD_KINDS,
+from pjit_ppo.config.sections import (COMPUTE_DTYPES, FROM_TOKENIZER, LORA_DEFAULT_TARGETS,
+                                      LORA_PROJECTIONS, OPTIMIZERS, PROMPT_FORMATS, REWARD_KINDS,
                                       TOP_P_MODES, CheckpointOptions, DataOptions, EvalOptions,
-                                      MeshConfig, ModelOptions, ProfileOptions, RewardOptions,
-                                      SamplingOptions, SequenceOptions)
+                                      LoraOptions, MeshConfig, ModelOptions, ProfileOptions,
+                                      RewardOptions, SamplingOptions, SequenceOptions)
 from pjit_ppo.config.sft import CORPUS_FORMATS, LR_DECAYS, SFTConfig
 from pjit_ppo.errors import ConfigError
 
@@ -33,7 +34,8 @@ __all__ = [
     "ConfigError", "check_field_types", "check_values_finite",
     "PPOConfig", "PPORunConfig", "RunConfig", "SFTConfig", "RewardLearningConfig", "DPOConfig",
     "SamplingOptions", "SequenceOptions", "MeshConfig", "ModelOptions", "RewardOptions",
-    "DataOptions", "CheckpointOptions", "EvalOptions", "ProfileOptions",
+    "DataOptions", "CheckpointOptions", "EvalOptions", "ProfileOptions", "LoraOptions",
+    "LORA_PROJECTIONS", "LORA_DEFAULT_TARGETS",
     "RESUMABLE_CHANGES", "resume_conflicts", "json_round_trip",
     "FROM_TOKENIZER", "OPTIMIZERS", "TOP_P_MODES", "REWARD_KINDS", "COMPUTE_DTYPES", "PROMPT_FORMATS",
     "KL_CONTROLLERS", "CRITIC_INITS", "ADVANTAGE_ESTIMATORS", "CRITIC_FREE_ESTIMATORS",

@@ -98,6 +98,13 @@ class PPOConfig(SequenceOptions):
     # is a separate model by default, initialised from the reward model's trunk.
     critic_init: str = "reward"          # "reward" or "policy": where the critic's trunk comes from
     shared_trunk: bool = False           # value head on the policy trunk (no separate critic)
+    critic_lora: bool = True             # with model.lora.rank > 0: the critic trains LoRA
+    #                                      adapters (model.lora's rank, alpha, targets) on its
+    #                                      frozen trunk (the reward model's or the policy's,
+    #                                      shared with that frozen model: no copy) and a full
+    #                                      value head; False: the whole critic trains (fp32
+    #                                      weights + Adam moments, 16 bytes per parameter).
+    #                                      No effect without LoRA or without a critic
     recompute_rollout_logprobs: bool = True  # recompute old logprobs with a full forward
     #                                          (exact reference semantics) instead of the sampler's
 

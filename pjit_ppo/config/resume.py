@@ -4,7 +4,9 @@ import json
 from typing import Any, Dict, Optional, Tuple
 
 #: Fields a resumed run may change: how it is laid out, how long it runs, what it logs.
-#: Every other field must equal the checkpoint's (prefix match on the dotted name).
+#: Every other field must equal the checkpoint's (prefix match on the dotted name): among
+#: them model.lora.* and ppo.critic_lora, since a checkpoint of adapters holds trees of
+#: their shapes on their base (the base's fingerprint is checked beside the config).
 RESUMABLE_CHANGES = ("mesh.", "num_iterations", "tensorboard", "measure_peak", "checkpoint.",
                      "evaluation.", "profile.")
 

@@ -85,6 +85,9 @@ class RewardLearningConfig(SequenceOptions):
         check_types_and_finiteness(self)
         self.mesh.validate()
         self.model.validate()
+        need(not self.model.lora.enabled,
+             f"model.lora.rank={self.model.lora.rank}: reward learning trains the whole reward "
+             f"model; LoRA adapters apply to SFT, DPO and PPO. Set model.lora.rank=0")
         self.checkpoint.validate()
         need(bool(self.labels_path), "labels_path is empty: point it at a JSONL file of "
                                       "preference labels")

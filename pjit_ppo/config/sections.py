@@ -3,9 +3,11 @@ the query/response sequences, the reward, the prompts, checkpoints, evaluation a
 profiling. Each field is documented where it is defined; `validate()` raises ConfigError
 naming the field, its value and the fix."""
 import dataclasses
+import re
 from typing import Any, Dict, Optional, Tuple
 
-from pjit_ppo.config.checks import choice, finite_number, int_at_least, need, number_in, positive
+from pjit_ppo.config.checks import (check_field_types, choice, finite_number, int_at_least,
+                                    need, number_in, positive)
 from pjit_ppo.errors import ConfigError
 from pjit_ppo.rewards import registry as reward_kinds
 
@@ -147,6 +149,61 @@ class MeshConfig:
         return self
 
 
+#: The weights LoRA adapters can sit on: every projection of the decoder's layers, as
+#: parameter paths (`pjit_ppo.models.transformer`; fc_gate exists in gated MLPs only).
+LORA_PROJECTIONS = ("transformer/layers/attn/q/w", "transformer/layers/attn/k/w",
+                    "transformer/layers/attn/v/w", "transformer/layers/attn/o/w",
+                    "transformer/layers/mlp/fc_in/w", "transformer/layers/mlp/fc_gate/w",
+                    "transformer/layers/mlp/fc_out/w")
+#: The default `model.lora.targets`: the attention and MLP projections, all of them.
+LORA_DEFAULT_TARGETS = (r"attn/(q|k|v|o)/w$", r"mlp/fc_(in|gate|out)/w$")
+
+
+@dataclasses.dataclass(slots=True)
+class LoraOptions:
+    """LoRA adapters (Hu et al. 2021) on the trained policy (and critic: ppo.critic_lora):
+    each targeted weight W [in, out] stays frozen in the compute dtype and the layer
+    computes x @ W + alpha / rank * dropout(x) @ A @ B with trainable A [in, rank]
+    (random normal, std 1/sqrt(in)) and B [rank, out] (zeros: training starts at the
+    base model). Only A and B have gradients and optimizer state; the reference is the
+    base without them (no second copy of the weights). `pjit_ppo.models.lora`.
+    """
+
+    rank: int = 0                     # 0 = off (full fine-tuning); else the adapters' rank
+    alpha: float = 16.0               # the adapters' output is scaled by alpha / rank
+    targets: Tuple[str, ...] = LORA_DEFAULT_TARGETS  # regexes searched in the parameter
+    #                                   paths of LORA_PROJECTIONS; each must match one
+    dropout: float = 0.0              # dropout on the adapters' input in training steps
+    #                                   (never in sampling, scoring or evaluation)
+
+    def __post_init__(self):
+        if isinstance(self.targets, list):
+            self.targets = tuple(self.targets)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def validate(self) -> "LoraOptions":
+        check_field_types(self, "model.lora.")
+        int_at_least("model.lora.rank", self.rank, 0, " (0 = off)")
+        positive("model.lora.alpha", self.alpha, ": the adapters' output is scaled by "
+                 "alpha / rank")
+        number_in("model.lora.dropout", self.dropout, 0.0, 1.0, " (0 = off)", high_open=True)
+        need(len(self.targets) > 0, "model.lora.targets is empty: give regexes of the "
+                                    "weights to adapt, e.g. ('attn/(q|v)/w$',)")
+        for target in self.targets:
+            try:
+                pattern = re.compile(target)
+            except re.error as e:
+                raise ConfigError(f"model.lora.targets: {target!r} is not a regular "
+                                  f"expression ({e})") from None
+            need(any(pattern.search(p) for p in LORA_PROJECTIONS),
+                 f"model.lora.targets: {target!r} matches none of the weights LoRA can adapt "
+                 f"({', '.join(LORA_PROJECTIONS)})")
+        return self
+
+
 @dataclasses.dataclass(slots=True)
 class ModelOptions:
     """Where the policy comes from and how every model computes."""
@@ -157,9 +214,19 @@ class ModelOptions:
     scan_unroll: int = 1              # layers per scan step (n_layers = fully unrolled)
     random: Dict[str, Any] = dataclasses.field(default_factory=dict)  # HF config.json dict
     #                                   of a randomly initialised model (demos, tests, planning)
+    lora: LoraOptions = dataclasses.field(default_factory=LoraOptions)  # adapters on the
+    #                                   trained policy (SFT, DPO, PPO); rank 0 = off
+
+    def __post_init__(self):
+        if isinstance(self.lora, dict):  # a config read back from JSON
+            self.lora = LoraOptions(**self.lora)
 
     def validate(self) -> "ModelOptions":
         choice("model.compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
+        need(isinstance(self.lora, LoraOptions),
+             f"model.lora={self.lora!r} must be a LoraOptions (set its fields: "
+             f"model.lora.rank=8)")
+        self.lora.validate()
         need(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1,
               f"model.scan_unroll={self.scan_unroll!r} must be an integer >= 1")
         need(bool(self.policy_path) or bool(self.random),

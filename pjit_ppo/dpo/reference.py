@@ -5,10 +5,10 @@ response through the decoder with the fused LM head and token log-prob
 (`pjit_ppo.models.scoring.response_logprobs`), chosen and rejected in one batch of 2B.
 
 The reference is the initial policy (`reference_params`: a frozen copy in the compute
-dtype; with LoRA adapters it would be the base model without them, the one place to
-change). Its log-probs are either computed once for every pair before training
-(`score_pairs`, saved in WORKDIR/reference_logps.npz so a resumed run reads them back)
-or per batch while training (`logps_fn`, the reference kept in memory).
+dtype; with LoRA adapters the base model without them: the frozen base the adapters
+train on, no second copy). Its log-probs are either computed once for every pair before
+training (`score_pairs`, saved in WORKDIR/reference_logps.npz so a resumed run reads
+them back) or per batch while training (`logps_fn`, the reference kept in memory).
 """
 from __future__ import annotations
 
@@ -49,9 +49,13 @@ def pair_logps(model_cfg, params, batch: Mapping[str, jax.Array]) -> Tuple[jax.A
     return sums[:b], sums[b:]
 
 
-def reference_params(initial_params, compute_dtype: str):
+def reference_params(initial_params, compute_dtype: str, *, lora_base=None):
     """The reference model's parameters: a frozen copy of the initial policy in the compute
-    dtype (new buffers: the trained params are donated every step)."""
+    dtype (new buffers: the trained params are donated every step). With LoRA,
+    `lora_base` (the frozen base the adapters train on) is the reference itself: the
+    initial policy is the base without adapters, and no copy is made."""
+    if lora_base is not None:
+        return lora_base
     return assemble.make_frozen(initial_params, compute_dtype)
 
 

@@ -7,8 +7,10 @@
     response_length), each label -> its (chosen, rejected) pairs (pjit_ppo/dpo/pairs.py);
     held out: test_labels_path or test_fraction of the labels
   policy: model.policy_path (HF directory) or model.random, sharded by the partition
-    rules, fp32 master weights, compute in model.compute_dtype
-  reference: the initial policy, frozen in the compute dtype; with precompute_ref its
+    rules, fp32 master weights, compute in model.compute_dtype; with LoRA
+    (model.lora.rank > 0) frozen in the compute dtype with trainable adapters
+  reference: the initial policy, frozen in the compute dtype (with LoRA: the base the
+    adapters train on, the same arrays, no copy); with precompute_ref its
     log-probs of every pair are computed before training (WORKDIR/reference_logps.npz)
     and it is freed, else it scores each batch as the batch is trained on
   loss = mean over a batch's pairs of `dpo_loss` (pjit_ppo/dpo/loss.py) on the summed
@@ -30,7 +32,8 @@ Writes into WORKDIR:
                        end (pjit_ppo/loop.py): the same command resumes exactly; SIGTERM /
                        SIGINT finish the step, save and exit 0
   model/               the trained policy as an HF directory (config.json +
-                       model.safetensors) with the tokenizer's files: PPO's
+                       model.safetensors; with LoRA the adapters merged into the float32
+                       base) with the tokenizer's files: PPO's
                        model.policy_path, evaluation and export read it
 """
 from __future__ import annotations
@@ -42,11 +45,12 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from pjit_ppo import loop, optim, sharding, supervised
+from pjit_ppo import loop, optim, param_makers, rng, sharding, supervised
 from pjit_ppo.config import ConfigError, DPOConfig
 from pjit_ppo.dpo import pairs as pairs_lib, reference
 from pjit_ppo.dpo.loss import METRICS, pair_losses
 from pjit_ppo.errors import DataError
+from pjit_ppo.models import lora
 
 #: The output model directory inside the work directory.
 MODEL_DIR = "model"
@@ -54,13 +58,18 @@ CONSOLE_KEYS = ("train/loss", "train/rewards/accuracies", "train/rewards/margins
                 "test/loss", "test/rewards/accuracies", "train/lr")
 
 
-def loss_sums(model_cfg, config: DPOConfig, params, batch) -> Dict[str, jax.Array]:
+def loss_sums(model_cfg, config: DPOConfig, params, batch, base=None,
+              key=None) -> Dict[str, jax.Array]:
     """Sums over a batch of pairs: {"loss", "weight", and every name in METRICS}.
 
     batch: the pair arrays (`pairs.PAIR_KEYS`, [B, ...]) plus ref_chosen, ref_rejected
     float32 [B] (the reference's summed log-probs); weight float32 [B] (0 for filler
-    rows). Returns float32 scalars; the step divides them by the weight.
+    rows). base: with LoRA the frozen base (params are then the adapters on it); key:
+    the adapters' dropout key or None. Returns float32 scalars; the step divides them by
+    the weight.
     """
+    if base is not None:
+        params = lora.attach(base, params, key)
     chosen, rejected = reference.pair_logps(model_cfg, params, batch)
     loss, metrics = pair_losses(chosen, rejected, batch["ref_chosen"], batch["ref_rejected"],
                                 beta=config.beta, loss_type=config.loss_type,
@@ -86,16 +95,19 @@ def _check_sizes(config: DPOConfig, mesh, n_train: int) -> None:
 def _reference_source(config: DPOConfig, fingerprints: Dict[str, str]) -> Dict[str, Any]:
     """What the saved reference log-probs were computed from (checked when read back)."""
     model = config.to_dict()["model"]
+    model.pop("lora")  # the reference is the model without adapters either way
     return {"reference": "the initial policy", "model": model,
             "seed": config.seed if not config.model.policy_path else None,
             "query_length": config.query_length, "response_length": config.response_length,
             "pad_token_id": config.pad_token_id, "data": fingerprints}
 
 
-def _precomputed(config, workdir, model_cfg, mesh, initial, arrays, fingerprints, resume):
+def _precomputed(config, workdir, model_cfg, mesh, initial, arrays, fingerprints, resume,
+                 lora_base=None):
     """{split: {"ref_chosen", "ref_rejected"}} of every pair: read back from
     WORKDIR/reference_logps.npz on a resume, else computed from the initial policy
-    (its frozen copy is freed afterwards) and saved."""
+    (its frozen copy is freed afterwards; with LoRA the base, which training keeps)
+    and saved. model_cfg: the reference's architecture (without adapters)."""
     path = os.path.join(workdir, reference.REFERENCE_FILE)
     source = _reference_source(config, fingerprints)
     sizes = {split: len(a["weight"]) for split, a in arrays.items()}
@@ -106,11 +118,12 @@ def _precomputed(config, workdir, model_cfg, mesh, initial, arrays, fingerprints
             return saved
         logging.warning("DPO: %s is missing or was computed from other data; computing the "
                         "reference log-probs again", path)
-    frozen = reference.reference_params(initial, model_cfg.compute_dtype)
+    frozen = reference.reference_params(initial, model_cfg.compute_dtype, lora_base=lora_base)
     micro = config.batch_size // config.gradient_accumulation_steps
     out = {split: reference.score_pairs(model_cfg, mesh, frozen, a, micro)
            for split, a in arrays.items()}
-    jax.tree.map(lambda x: x.delete(), frozen)
+    if lora_base is None:
+        jax.tree.map(lambda x: x.delete(), frozen)
     reference.save(path, out, source)
     logging.info("DPO: reference log-probs of %s pairs saved to %s",
                  " + ".join(str(n) for n in sizes.values()), path)
@@ -131,7 +144,7 @@ def train(config: DPOConfig, workdir: str) -> Dict[str, Any]:
     """
     from pjit_ppo.data import special_ids
     from pjit_ppo.data.prompts import check_tokenizer, load_tokenizer
-    from pjit_ppo.loading import copy_tokenizer, lm_config, load_lm, write_config
+    from pjit_ppo.loading import copy_tokenizer, lm_config, load_lm, merged_lm, write_config
     from pjit_ppo.models import save_pretrained
 
     config.validate()
@@ -151,16 +164,25 @@ def train(config: DPOConfig, workdir: str) -> Dict[str, Any]:
     fingerprints = {"training": loop.fingerprint(arrays["train"]),
                     "held-out": loop.fingerprint(arrays["test"])}
     checkpoints = loop.Checkpoints(workdir, config, fingerprints)
-    model_cfg, params = load_lm(config.model, config.model.policy_path, mesh, config.seed)
+    spec = lora.spec_from_options(config.model.lora)
+    base = None  # with LoRA: the frozen base (also the reference); params: the adapters
+    if spec is None:
+        model_cfg, params = load_lm(config.model, config.model.policy_path, mesh, config.seed)
+    else:
+        model_cfg, base, params = param_makers.adapted_lm(
+            param_makers.Loaded(mesh), config.model, config.model.policy_path, config.seed)
+        checkpoints.check_base(lora.fingerprint(base))
+    ref_cfg = lora.without_adapters(model_cfg)
     write_config(config, workdir)
 
     if config.precompute_ref:
-        ref_logps = _precomputed(config, workdir, model_cfg, mesh, params, arrays,
-                                 fingerprints, resume=checkpoints.start > 0)
+        ref_logps = _precomputed(config, workdir, ref_cfg, mesh, params, arrays,
+                                 fingerprints, resume=checkpoints.start > 0, lora_base=base)
         arrays = {split: {**a, **ref_logps[split]} for split, a in arrays.items()}
         ref_params = None
     else:
-        ref_params = reference.reference_params(params, model_cfg.compute_dtype)
+        ref_params = reference.reference_params(params, model_cfg.compute_dtype,
+                                                lora_base=base)
 
     total = config.max_steps or (n_train // config.batch_size) * config.num_epochs
     optimizer = optim.make_optimizer(learning_rate=config.lr, num_updates=total,
@@ -169,17 +191,19 @@ def train(config: DPOConfig, workdir: str) -> Dict[str, Any]:
                                      max_grad_norm=config.max_grad_norm)
     opt_state = supervised.init_opt_state(optimizer, params, mesh)
 
-    def loss_fn(p, batch):
-        sums = loss_sums(model_cfg, config, p, batch)
+    def loss_fn(p, batch, base=None, key=None):
+        sums = loss_sums(model_cfg, config, p, batch, base, key)
         return sums["loss"], sums
-    train_step = supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh)
-    eval_step = supervised.make_eval_step(loss_fn, mesh)
+    keyed = spec is not None and spec.dropout > 0
+    train_step = supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh,
+                                            frozen=base, keyed=keyed)
+    eval_step = supervised.make_eval_step(loss_fn, mesh, frozen=base)
     if ref_params is not None:  # the reference scores each batch (outside the gradient)
-        stacked_ref = reference.logps_fn(model_cfg, mesh, stacked=True)
-        flat_ref = reference.logps_fn(model_cfg, mesh, stacked=False)
+        stacked_ref = reference.logps_fn(ref_cfg, mesh, stacked=True)
+        flat_ref = reference.logps_fn(ref_cfg, mesh, stacked=False)
 
-        def step_fn(p, o, batch):
-            return train_step(p, o, {**batch, **stacked_ref(ref_params, batch)})
+        def step_fn(p, o, batch, *key):
+            return train_step(p, o, {**batch, **stacked_ref(ref_params, batch)}, *key)
 
         def eval_fn(p, batch):
             return eval_step(p, {**batch, **flat_ref(ref_params, batch)})
@@ -201,7 +225,9 @@ def train(config: DPOConfig, workdir: str) -> Dict[str, Any]:
                        ("train/grad_norm", "grad_norm")),
         lr=lambda _, opt_state: float(jax.device_get(optim.current_lr(opt_state))),
         evaluate=held_out, log_every=config.log_every, eval_every=config.eval_every,
-        console_keys=CONSOLE_KEYS)
+        console_keys=CONSOLE_KEYS,
+        step_key=(lambda step: rng.stream_key(config.seed, "lora_dropout", step)) if keyed
+        else None)
     logging.info("DPO (%s, beta %g): %d training labels -> %d pairs, %d held-out pairs, %d "
                  "steps of %d pairs; reference log-probs %s", config.loss_type, config.beta,
                  len(train_records), n_train, len(test_arrays["weight"]), total,
@@ -212,7 +238,13 @@ def train(config: DPOConfig, workdir: str) -> Dict[str, Any]:
         return {"preempted": True, "steps": out.steps}
     initial, final = out.progress.first_eval, out.progress.last_eval
     out_dir = os.path.join(workdir, MODEL_DIR)
-    save_pretrained(out_dir, model_cfg, out.params, dtype=config.save_dtype)
+    if spec is None:
+        save_pretrained(out_dir, model_cfg, out.params, dtype=config.save_dtype)
+    else:  # the adapters merged into the float32 base, read again
+        jax.tree.map(lambda x: x.delete(), base)
+        merged_cfg, merged = merged_lm(config.model, config.model.policy_path, mesh,
+                                       config.seed, spec, out.params)
+        save_pretrained(out_dir, merged_cfg, merged, dtype=config.save_dtype)
     copy_tokenizer(tokenizer_path, out_dir)
     logging.info("DPO: held-out loss %.4f -> %.4f, reward accuracy %.3f; model saved to %s",
                  initial["test/loss"], final["test/loss"], final["test/rewards/accuracies"],

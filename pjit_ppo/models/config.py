@@ -45,6 +45,8 @@ class ModelConfig:
         the name of a `jax.checkpoint_policies` entry such as "dots_saveable".
       scan_unroll: layers per iteration of the layer scan (n_layers = fully unrolled:
         longer compiles, sometimes faster steps on CPU).
+      lora: a `pjit_ppo.models.lora.LoraSpec` when the targeted projections carry LoRA
+        adapters (their lora_a / lora_b parameters; `lora.with_adapters`), else None.
       hf_config: the original config.json dict, kept for export.
     """
 
@@ -78,6 +80,7 @@ class ModelConfig:
     compute_dtype: str = "float32"
     remat_policy: str = "none"
     scan_unroll: int = 1
+    lora: Any = None
     hf_config: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self):

@@ -18,7 +18,9 @@ because the blocks are stacked (`_stacked_layers`) and scanned:
   transformer/ln_f          scale, offset [d_model]
   lm_head                   w [d_model, vocab], b [vocab]            (untied head only)
 
-Biases exist only where the architecture has them (ModelConfig.*_bias).
+Biases exist only where the architecture has them (ModelConfig.*_bias). With LoRA
+(ModelConfig.lora) each targeted projection module also holds lora_a [L, *in, rank] and
+lora_b [L, rank, *out] (`pjit_ppo.models.lora`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from pjit_ppo.models import lora
 from pjit_ppo.models.config import ModelConfig
 from pjit_ppo.padding import position_ids_from_mask
 
@@ -112,11 +115,36 @@ def _norm(config: ModelConfig, x: jax.Array, name: str) -> jax.Array:
         return (y * scale + offset).astype(x.dtype)
 
 
-def _dense(x, name, in_shape, out_shape, bias, dtype, contract=1):
-    """x [..., *in_shape] @ w [*in_shape, *out_shape] (+ b [*out_shape])."""
+#: A projection's index, folded into its layer's dropout key (`_lora_term`).
+_PROJECTION_INDEX = {name.split("/")[1]: i for i, name in enumerate(lora.PROJECTIONS)}
+
+
+def _lora_term(x, name, in_shape, out_shape, dtype, contract, adapter):
+    """scale * dropout(x) @ lora_a @ lora_b [..., *out_shape] (the unmerged low-rank
+    term; `pjit_ppo.models.lora`). adapter: (rank, scale, dropout)."""
+    rank, scale, dropout = adapter
+    fan_in = 1
+    for n in in_shape:
+        fan_in *= n
+    a = _param("lora_a", list(in_shape) + [rank], hk.initializers.RandomNormal(fan_in ** -0.5))
+    b = _param("lora_b", [rank] + list(out_shape), jnp.zeros)
+    key = lora.layer_dropout_key() if dropout > 0 else None
+    if key is not None:  # a training step's view: drop out the adapters' input
+        keep = jax.random.bernoulli(jax.random.fold_in(key, _PROJECTION_INDEX[name]),
+                                    1.0 - dropout, x.shape)
+        x = jnp.where(keep, x / jnp.asarray(1.0 - dropout, x.dtype), jnp.zeros((), x.dtype))
+    h = jnp.tensordot(x, a.astype(dtype), axes=contract)
+    return jnp.tensordot(h, (b * scale).astype(dtype), axes=1)
+
+
+def _dense(x, name, in_shape, out_shape, bias, dtype, contract=1, adapter=None):
+    """x [..., *in_shape] @ w [*in_shape, *out_shape] (+ b [*out_shape]), plus the LoRA
+    term when `adapter` is (rank, scale, dropout) (`lora.layer_adapter`)."""
     with hk.name_scope(name):
         w = _param("w", list(in_shape) + list(out_shape), hk.initializers.RandomNormal(0.02))
         y = jnp.tensordot(x, w.astype(dtype), axes=contract)
+        if adapter is not None:
+            y = y + _lora_term(x, name, in_shape, out_shape, dtype, contract, adapter)
         if bias:
             y = y + _param("b", list(out_shape), jnp.zeros).astype(dtype)
         return y
@@ -247,9 +275,12 @@ def _attention(config, x, positions, biases, cache_kv, query=None):
     bias_new, bias_cache = biases
     start, stop = (0, x.shape[1]) if query is None else query
     with hk.name_scope("attn"):
-        q = _dense(x[:, start:stop], "q", [c.d_model], [h, hd], c.qkv_bias, dtype)
-        k = _dense(x, "k", [c.d_model], [kv, hd], c.qkv_bias, dtype)
-        v = _dense(x, "v", [c.d_model], [kv, hd], c.qkv_bias, dtype)
+        q = _dense(x[:, start:stop], "q", [c.d_model], [h, hd], c.qkv_bias, dtype,
+                   adapter=lora.layer_adapter(c, "attn/q"))
+        k = _dense(x, "k", [c.d_model], [kv, hd], c.qkv_bias, dtype,
+                   adapter=lora.layer_adapter(c, "attn/k"))
+        v = _dense(x, "v", [c.d_model], [kv, hd], c.qkv_bias, dtype,
+                   adapter=lora.layer_adapter(c, "attn/v"))
         if c.position == "rotary":
             q, k = _rotary(c, q, positions[:, start:stop]), _rotary(c, k, positions)
         if query is not None:
@@ -284,7 +315,7 @@ def _attention(config, x, positions, biases, cache_kv, query=None):
             out = (jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], cv.astype(dtype))
                    + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:], v))
         y = _dense(out.reshape(b, t, h, hd), "o", [h, hd], [c.d_model], c.attn_out_bias,
-                   dtype, contract=2)
+                   dtype, contract=2, adapter=lora.layer_adapter(c, "attn/o"))
     return y, new_kv
 
 
@@ -292,12 +323,15 @@ def _mlp(config, x):
     c, dtype = config, x.dtype
     act = _activation(c.activation)
     with hk.name_scope("mlp"):
-        hidden = _dense(x, "fc_in", [c.d_model], [c.d_ff], c.mlp_bias, dtype)
+        hidden = _dense(x, "fc_in", [c.d_model], [c.d_ff], c.mlp_bias, dtype,
+                        adapter=lora.layer_adapter(c, "mlp/fc_in"))
         if c.gated_mlp:  # Llama: down(act(gate(x)) * up(x)); fc_in is "up"
-            hidden = act(_dense(x, "fc_gate", [c.d_model], [c.d_ff], c.mlp_bias, dtype)) * hidden
+            hidden = act(_dense(x, "fc_gate", [c.d_model], [c.d_ff], c.mlp_bias, dtype,
+                                adapter=lora.layer_adapter(c, "mlp/fc_gate"))) * hidden
         else:
             hidden = act(hidden)
-        return _dense(hidden, "fc_out", [c.d_ff], [c.d_model], c.mlp_bias, dtype)
+        return _dense(hidden, "fc_out", [c.d_ff], [c.d_model], c.mlp_bias, dtype,
+                      adapter=lora.layer_adapter(c, "mlp/fc_out"))
 
 
 def _block(config, x, positions, biases, cache_kv, query=None):

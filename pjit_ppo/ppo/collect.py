@@ -268,8 +268,8 @@ def _score_rows(cfg: PPOConfig, models: PPOModels, params, frozen, query, query_
         logprobs = sample_logprobs
         values = scoring.response_values(models.critic, params["critic"], query, query_mask,
                                          response)
-    ref_logprobs = scoring.response_logprobs(models.policy, frozen["ref"], query, query_mask,
-                                             response, cfg.temperature)
+    ref_logprobs = scoring.response_logprobs(models.reference, frozen["ref"], query,
+                                             query_mask, response, cfg.temperature)
 
     # The reward model sees the truncated text; PPO trains on the raw one.
     scores, found, response_mask, terms = score_responses(

@@ -2,7 +2,9 @@
 (`pjit_ppo.memory_analysis`), what stays resident beside each program (the optimizer
 state through the rollout, the frozen models through the update), the peak, and an
 analytic breakdown (parameters, gradients and optimizer state per trained model, frozen
-models, KV cache, activation estimate). What a run logs at its start
+models, KV cache, activation estimate), the resident bytes split into LoRA base,
+adapters, other trained parameters, optimizer state and frozen models, and the
+trainable and total parameter counts. What a run logs at its start
 (`pjit_ppo.ppo.run`) and what the planner reports (`pjit_ppo.planning`).
 """
 from __future__ import annotations
@@ -15,9 +17,10 @@ import jax.numpy as jnp
 
 from pjit_ppo import sharding
 from pjit_ppo.memory_analysis import device_bytes, phase_peak, xla_figures
-from pjit_ppo.models import ModelConfig
+from pjit_ppo.models import ModelConfig, lora
+from pjit_ppo.ppo import lora_views
 from pjit_ppo.ppo.trainer import PPOTrainer
-from pjit_ppo.ppo.types import TrainState
+from pjit_ppo.ppo.types import PPOModels, TrainState
 
 PHASES = ("rollout", "update")
 
@@ -28,14 +31,18 @@ def rollout_arguments(state: TrainState, frozen, query, query_mask):
     return state.params, frozen, state.kl_coef, query, query_mask
 
 
-def resident_elsewhere(phase: str, state: TrainState, frozen) -> Dict[str, int]:
+def resident_elsewhere(phase: str, state: TrainState, frozen,
+                       models: Optional[PPOModels] = None) -> Dict[str, int]:
     """Per-device bytes on the device during `phase` that its program does not take:
     the optimizer state (and iteration counter) through the rollout, the frozen
-    models through the update."""
+    models through the update (but the LoRA bases, which the update takes: `models`
+    says which, `lora_views.update_frozen`)."""
     if phase == "rollout":
         return {"optimizer_state": device_bytes(state.opt_state),
                 "iteration": device_bytes(state.iteration)}
-    return {"frozen_models": device_bytes(frozen)}
+    passed = lora_views.update_frozen(models, frozen) if models is not None else None
+    return {"frozen_models": device_bytes({k: v for k, v in (frozen or {}).items()
+                                           if k not in (passed or {})})}
 
 
 def _per_model(tree) -> Dict[str, int]:
@@ -102,10 +109,11 @@ def analytic_breakdown(trainer: PPOTrainer, state: TrainState, frozen) -> Dict[s
 
 
 def phase_report(phase: str, compiled, state: TrainState, frozen,
-                 breakdown: Dict[str, Any]) -> Dict[str, Any]:
+                 breakdown: Dict[str, Any], models: Optional[PPOModels] = None
+                 ) -> Dict[str, Any]:
     """One phase's JSON entry: XLA figures, resident elsewhere, peak, and the breakdown."""
     figures = xla_figures(compiled)
-    resident = resident_elsewhere(phase, state, frozen)
+    resident = resident_elsewhere(phase, state, frozen, models)
     out: Dict[str, Any] = dict(figures)
     out["resident_elsewhere_bytes"] = resident
     out["peak_bytes"] = phase_peak(figures, resident)
@@ -122,6 +130,46 @@ def phase_report(phase: str, compiled, state: TrainState, frozen,
     return out
 
 
+def _unique_leaves(tree):
+    """The distinct arrays of a tree (a frozen model shared by two entries counts once)."""
+    seen, out = set(), []
+    for leaf in jax.tree.leaves(tree):
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append(leaf)
+    return out
+
+
+def _count(leaves) -> int:
+    return int(sum(math.prod(x.shape) for x in leaves))
+
+
+def parameter_counts(state: TrainState, frozen) -> Dict[str, int]:
+    """{"trainable_parameters": elements of the trained tree (with LoRA: the adapters and
+    heads), "total_parameters": those and every frozen model's (the base / reference,
+    the reward model), each array once}."""
+    trainable = _count(jax.tree.leaves(state.params))
+    return {"trainable_parameters": trainable,
+            "total_parameters": trainable + _count(_unique_leaves(frozen or {}))}
+
+
+def resident_breakdown(trainer: PPOTrainer, state: TrainState, frozen) -> Dict[str, int]:
+    """The resident bytes per device (`resident_bytes`: parameters, optimizer state and
+    frozen models) in five parts: "base" (the frozen base LoRA adapters sit on, which is
+    also the reference; 0 without LoRA), "adapters" (the LoRA adapter leaves), "trained"
+    (the other trained parameters: the whole policy and critic without LoRA, value heads,
+    a full critic), "optimizer_state" and "frozen_models" (the other frozen models: the
+    reward model; the reference without LoRA)."""
+    adapters = device_bytes([x for path, x in jax.tree_util.tree_flatten_with_path(
+        state.params)[0] if sharding.path_str(path).rsplit("/", 1)[-1] in lora.ADAPTER_NAMES])
+    base = frozen["ref"] if lora_views.uses_adapters(trainer.models) else {}
+    others = {k: v for k, v in (frozen or {}).items() if v is not None and v is not base}
+    return {"base": device_bytes(base), "adapters": adapters,
+            "trained": device_bytes(state.params) - adapters,
+            "optimizer_state": device_bytes(state.opt_state),
+            "frozen_models": device_bytes(others)}
+
+
 def trainer_plan(trainer: PPOTrainer, state: TrainState, frozen,
                  device_memory: Optional[int] = None) -> Dict[str, Any]:
     """The plan of a trainer whose phases are compiled (`trainer.compile`): reuses the
@@ -129,7 +177,8 @@ def trainer_plan(trainer: PPOTrainer, state: TrainState, frozen,
     if trainer.compiled is None:
         raise ValueError("trainer_plan needs trainer.compile(...) first")
     breakdown = analytic_breakdown(trainer, state, frozen)
-    phases = {p: phase_report(p, trainer.compiled[p], state, frozen, breakdown)
+    phases = {p: phase_report(p, trainer.compiled[p], state, frozen, breakdown,
+                              trainer.models)
               for p in PHASES}
     peak = max(p["peak_bytes"] for p in phases.values())
     return {"devices": int(trainer.mesh.size),
@@ -139,6 +188,8 @@ def trainer_plan(trainer: PPOTrainer, state: TrainState, frozen,
             "mesh": dict(trainer.mesh.shape),
             "phases": phases,
             "resident_bytes": breakdown["resident_bytes"],
+            "resident_breakdown_bytes": resident_breakdown(trainer, state, frozen),
+            **parameter_counts(state, frozen),
             "compile_seconds": trainer.compile_seconds}
 
 

@@ -16,7 +16,7 @@ from typing import Dict, Tuple
 import jax
 
 from pjit_ppo.config import PPOConfig
-from pjit_ppo.ppo import estimators
+from pjit_ppo.ppo import estimators, lora_views
 from pjit_ppo.ppo.collect import collect, score
 from pjit_ppo.ppo.types import Experience, PPOModels, RolloutBatch, Sampled
 
@@ -28,7 +28,8 @@ def rollout(cfg: PPOConfig, models: PPOModels, params, frozen, kl_coef: jax.Arra
 
     Args:
       params: {"policy": ..., "critic": ...} ({"policy", "value_head"} when shared,
-        {"policy"} with a critic-free estimator).
+        {"policy"} with a critic-free estimator); with LoRA, adapters on their frozen
+        bases (`lora_views`).
       frozen: {"ref": reference policy params, "reward": reward params (any pytree)}.
       kl_coef: float32 scalar, current KL coefficient.
       query: int32 [P, Q] left-padded prompts, P = ppo.batch_size // samples_per_prompt;
@@ -37,6 +38,7 @@ def rollout(cfg: PPOConfig, models: PPOModels, params, frozen, kl_coef: jax.Arra
     Returns:
       (RolloutBatch of ppo.batch_size rows, dict of float32 scalar metrics).
     """
+    params = lora_views.view(models, params, frozen)
     exp, metrics = collect(cfg, models, params, frozen, query, query_mask, key, mesh)
     return _estimate(cfg, exp, metrics, kl_coef)
 
@@ -51,6 +53,7 @@ def score_rollout(cfg: PPOConfig, models: PPOModels, params, frozen, kl_coef: ja
     host_scores: float32 [B, H], the host functions' scores of each episode. Other
     arguments and the result as in `rollout`.
     """
+    params = lora_views.view(models, params, frozen)
     exp, metrics = score(cfg, models, params, frozen, query, query_mask, sampled, host_scores,
                          mesh)
     return _estimate(cfg, exp, metrics, kl_coef)

@@ -18,7 +18,7 @@ from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
 from pjit_ppo.errors import DataError
 from pjit_ppo.data import special_ids
 from pjit_ppo.loading import device_memory_limit, lm_config, write_config
-from pjit_ppo.ppo import memory_plan
+from pjit_ppo.ppo import lora_views, memory_plan
 from pjit_ppo.ppo.assembly import assemble
 from pjit_ppo.ppo.trainer import PPOTrainer
 from pjit_ppo.ppo.types import PromptFn, TrainState
@@ -130,7 +130,22 @@ def frozen_sources(config: RunConfig) -> Dict[str, str]:
     """Where the frozen models come from (recorded in checkpoints instead of their weights)."""
     policy = (config.model.policy_path
               or f"random init (ppo.seed={config.ppo.seed}, model.random)")
-    return {"reference": f"the initial policy: {policy}", "reward": rewards.describe(config)}
+    reference = (f"the base of the LoRA adapters (the initial policy): {policy}"
+                 if config.model.lora.enabled else f"the initial policy: {policy}")
+    return {"reference": reference, "reward": rewards.describe(config)}
+
+
+def check_bases(saved: Dict[str, Any], now: Dict[str, str], step: int) -> None:
+    """Refuses to resume LoRA adapters on other base weights: `now` ({name: fingerprint}
+    of the bases, `lora_views.base_fingerprints`) must equal the checkpoint's."""
+    was = saved.get("lora_base", {})
+    for name, fingerprint in now.items():
+        if was.get(name) != fingerprint:
+            raise ConfigError(
+                f"cannot resume from checkpoint {step}: its LoRA adapters of the {name} were "
+                f"trained on base weights with fingerprint {was.get(name)}, these have "
+                f"{fingerprint}; point model.policy_path (and reward.path) at the original "
+                f"models or start a new --workdir")
 
 
 def _resume_point(config: RunConfig, checkpointer: checkpoint.RunCheckpointer) -> int:
@@ -236,6 +251,9 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
     checkpointer = checkpoint.RunCheckpointer(workdir, config.checkpoint)
     start = _resume_point(config, checkpointer)
     job = build(config)  # may still refuse the data or the weights: config.json waits for it
+    base_fingerprints = lora_views.base_fingerprints(job.trainer.models, job.frozen)
+    if start:
+        check_bases(checkpointer.run_info(start), base_fingerprints, start)
     write_config(config, workdir)
     state = job.state
     if start:
@@ -267,6 +285,8 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
                                       tensorboard=config.tensorboard, start_step=start)
     every = config.checkpoint.every
     run_info = {"config": config.to_dict(), "frozen": frozen_sources(config)}
+    if base_fingerprints:  # LoRA: the bases the adapters are trained on
+        run_info["lora_base"] = base_fingerprints
     last: Dict[str, float] = {}
     saved = {"step": start}
 

@@ -35,6 +35,7 @@ from pjit_ppo.optim import make_optimizer
 from pjit_ppo.ppo.kl import kl_init
 from pjit_ppo.ppo.collect import (batch_devices, local_micro_batch_rows, micro_batch_count,
                                   sample)
+from pjit_ppo.ppo import lora_views
 from pjit_ppo.ppo.rollout import rollout, score_rollout
 from pjit_ppo.ppo.types import PPOModels, PromptFn, RolloutBatch, Sampled, TrainState
 from pjit_ppo.ppo.update import update
@@ -226,34 +227,40 @@ class PPOTrainer:
         key = self._key(jax.random.PRNGKey(0))
         query, query_mask = self._prompts(query, query_mask)
         if self.host_columns:  # sampling, the host's functions, scoring: two programs
-            sample_jit = jax.jit(functools.partial(sample, cfg, self.models,
-                                                   mesh=mesh),
-                                 out_shardings=Sampled(batch_sh, batch_sh, batch_sh))
+            models = self.models
+
+            def sample_phase(policy, query, query_mask, key, base):
+                return sample(cfg, models, lora_views.policy_view(models, policy, base), query,
+                              query_mask, key, mesh=mesh)
+            sample_phase.__name__ = "sample"
+            sample_jit = jax.jit(sample_phase, out_shardings=Sampled(batch_sh, batch_sh,
+                                                                     batch_sh))
             rollout_jit = jax.jit(functools.partial(score_rollout, cfg, self.models, mesh=mesh),
                                   out_shardings=(batch_out, rep))
+            sample_args = (state.params["policy"], query, query_mask, key,
+                           self._policy_base(frozen))
             sampled = jax.tree.map(
                 lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=batch_sh),
-                jax.eval_shape(sample_jit, state.params["policy"], query, query_mask, key))
+                jax.eval_shape(sample_jit, *sample_args))
             host = jax.ShapeDtypeStruct((cfg.batch_size, self.host_columns), jnp.float32,
                                         sharding=batch_sh)
             rollout_args = (state.params, frozen, state.kl_coef, query, query_mask, sampled,
                             host)
-            rollout_lowered = RolloutPrograms(
-                sample_jit.lower(state.params["policy"], query, query_mask, key),
-                rollout_jit.lower(*rollout_args))
+            rollout_lowered = RolloutPrograms(sample_jit.lower(*sample_args),
+                                              rollout_jit.lower(*rollout_args))
         else:
             rollout_jit = jax.jit(functools.partial(rollout, cfg, self.models, mesh=mesh),
                                   out_shardings=(batch_out, rep))
             rollout_args = (state.params, frozen, state.kl_coef, query, query_mask, key)
             rollout_lowered = rollout_jit.lower(*rollout_args)
 
-        def update_phase(state, batch, kl, key, num_updates):
+        def update_phase(state, batch, kl, key, num_updates, bases):
             # The LR schedule's length comes in as an int32 scalar: runs that differ only
             # in their length share one compiled update (and the compilation cache).
             optimizer = (make_ppo_optimizer(cfg, num_updates) if self._run_length_input
                          else self.optimizer)
             return update(cfg, self.models, optimizer, state, batch, kl, key,
-                          batch_constraint=constrain_batch)
+                          batch_constraint=constrain_batch, frozen=bases)
         update_phase.__name__ = "update"
         update_jit = jax.jit(update_phase, donate_argnums=(0,), out_shardings=(state_sh, rep))
         batch_shapes, _ = jax.eval_shape(rollout_jit, *rollout_args)
@@ -264,7 +271,12 @@ class PPOTrainer:
         length_abstract = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
         return {"rollout": rollout_lowered,
                 "update": update_jit.lower(state, batch_abstract, kl_abstract, key,
-                                           length_abstract)}
+                                           length_abstract,
+                                           lora_views.update_frozen(self.models, frozen))}
+
+    def _policy_base(self, frozen):
+        """The frozen base of LoRA policy adapters (frozen["ref"]), else None."""
+        return frozen["ref"] if lora_views.uses_adapters(self.models) else None
 
     def _key(self, key: jax.Array) -> jax.Array:
         return jax.device_put(key, sharding.replicated(self.mesh))
@@ -289,7 +301,7 @@ class PPOTrainer:
             return self._rollout(state.params, frozen, state.kl_coef, query, query_mask,
                                  self._key(sample_key))
         sampled = self._rollout.sample(state.params["policy"], query, query_mask,
-                                       self._key(sample_key))
+                                       self._key(sample_key), self._policy_base(frozen))
         jax.block_until_ready(sampled)
         t0 = time.perf_counter()
         host = self._host_scores(iteration, sampled)
@@ -335,7 +347,8 @@ class PPOTrainer:
                                              rollout_metrics["objective/kl"],
                                              self._key(update_key),
                                              jax.device_put(np.int32(self.num_updates),
-                                                            sharding.replicated(self.mesh)))
+                                                            sharding.replicated(self.mesh)),
+                                             lora_views.update_frozen(self.models, frozen))
         jax.block_until_ready(state.params)
         t2 = time.perf_counter()
         due = self.sample_every and (iteration == 0 or (iteration + 1) % self.sample_every == 0)

@@ -7,6 +7,7 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import jax
 
 from pjit_ppo.models.config import ModelConfig
+from pjit_ppo.models.lora import without_adapters
 from pjit_ppo.rewards import RewardFn, host_functions
 
 #: iteration -> (query int32 [B, Q] left-padded global array, query_mask bool [B, Q]).
@@ -24,10 +25,21 @@ class PPOModels:
       gives the reward-model one; tests and demos may pass any function of tokens. A
       reward with Python functions (`rewards.host_functions(reward_fn)` non-empty)
       splits the rollout: sampling, the functions on the host, then scoring.
+    critic_base: with a LoRA critic (its ModelConfig has `lora`), where its frozen trunk
+      is in the frozen models: ("ref",) the policy's base, ("reward",) or ("reward",
+      term) the reward model's; None otherwise. With LoRA on the policy (policy.lora),
+      params["policy"] are adapters on frozen["ref"] (`pjit_ppo.ppo.lora_views`).
     """
     policy: ModelConfig
     critic: Optional[ModelConfig]
     reward_fn: RewardFn
+    critic_base: Optional[Tuple[str, ...]] = None
+
+    @property
+    def reference(self) -> ModelConfig:
+        """The reference's architecture: the policy's without adapters (the reference is
+        the initial policy: with LoRA, the base the adapters sit on)."""
+        return without_adapters(self.policy)
 
     @property
     def host_reward_columns(self) -> int:

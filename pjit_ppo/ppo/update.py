@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pjit_ppo import rng
 from pjit_ppo.config import PPOConfig
 from pjit_ppo.optim import current_lr
-from pjit_ppo.ppo import estimators
+from pjit_ppo.ppo import estimators, lora_views
 from pjit_ppo.ppo.kl import kl_update
 from pjit_ppo.ppo.types import PPOModels, RolloutBatch, TrainState
 
@@ -31,7 +32,7 @@ def epoch_permutations(cfg: PPOConfig, key: jax.Array) -> jax.Array:
 
 def update(cfg: PPOConfig, models: PPOModels, optimizer: optax.GradientTransformation,
            state: TrainState, batch: RolloutBatch, rollout_kl: jax.Array, key: jax.Array,
-           batch_constraint=None):
+           batch_constraint=None, frozen=None):
     """noptepochs x nminibatches optimizer steps on one rollout batch.
 
     Args:
@@ -43,42 +44,63 @@ def update(cfg: PPOConfig, models: PPOModels, optimizer: optax.GradientTransform
       key: PRNG key of this iteration's update (epoch keys are split from it).
       batch_constraint: optional function applied to each gathered micro-batch
         (a sharding constraint that keeps it split over the batch axes).
+      frozen: with LoRA, the frozen bases the adapters in state.params sit on
+        (`lora_views.update_frozen`); None without. With model.lora.dropout > 0 every
+        micro-step draws its own dropout key from rng.stream_key(ppo.seed,
+        "lora_dropout", iteration).
     Returns:
       (new TrainState, dict of float32 scalar metrics).
     """
     nmb, gas, micro = cfg.nminibatches, cfg.gradient_accumulation_steps, cfg.microbatch_size
     loss_fn = estimators.get(cfg.advantage_estimator).loss
-    grad_fn = jax.value_and_grad(lambda p, mb: loss_fn(cfg, models, p, mb), has_aux=True)
-    stats_shape = jax.eval_shape(lambda: loss_fn(cfg, models, state.params, jax.tree.map(
+    keyed = lora_views.dropout(models)
+
+    def loss(p, mb, dropout_key=None):
+        return loss_fn(cfg, models, lora_views.view(models, p, frozen, dropout_key), mb)
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+    stats_shape = jax.eval_shape(lambda: loss(state.params, jax.tree.map(
         lambda x: x[:micro], batch))[1])
     zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
 
-    def minibatch_step(carry, idx):  # idx: int32 [gas, micro]
+    def minibatch_step(carry, xs):  # idx: int32 [gas, micro] (+ a key with dropout)
         params, opt_state = carry
+        idx, minibatch_key = xs if keyed else (xs, None)
 
-        def micro_step(acc, micro_idx):
+        def micro_step(acc, ys):
             grads_acc, stats_acc = acc
+            micro_idx, i = ys if keyed else (ys, None)
             mb = jax.tree.map(lambda x: jnp.take(x, micro_idx, axis=0), batch)
             if batch_constraint is not None:
                 mb = batch_constraint(mb)
-            (_, stats), grads = grad_fn(params, mb)
+            if keyed:
+                (_, stats), grads = grad_fn(params, mb, jax.random.fold_in(minibatch_key, i))
+            else:
+                (_, stats), grads = grad_fn(params, mb)
             return (jax.tree.map(jnp.add, grads_acc, grads),
                     jax.tree.map(jnp.add, stats_acc, stats)), None
 
         zero_grads = jax.tree.map(jnp.zeros_like, params)
-        (grads, stats), _ = jax.lax.scan(micro_step, (zero_grads, zero_stats), idx)
+        ys = (idx, jnp.arange(gas)) if keyed else idx
+        (grads, stats), _ = jax.lax.scan(micro_step, (zero_grads, zero_stats), ys)
         grads = jax.tree.map(lambda g: g / gas, grads)
         grad_norm = optax.global_norm(grads)  # before any clipping
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return (params, opt_state), (stats, grad_norm)
 
-    def epoch_step(carry, perm):
-        carry, stats = jax.lax.scan(minibatch_step, carry, perm.reshape(nmb, gas, micro))
+    def epoch_step(carry, xs):
+        perm, epoch_key = xs if keyed else (xs, None)
+        idx = perm.reshape(nmb, gas, micro)
+        ys = (idx, jax.random.split(epoch_key, nmb)) if keyed else idx
+        carry, stats = jax.lax.scan(minibatch_step, carry, ys)
         return carry, stats
 
+    perms = epoch_permutations(cfg, key)
+    if keyed:
+        root = rng.stream_key(cfg.seed, "lora_dropout", state.iteration)
+        perms = (perms, jax.random.split(root, cfg.noptepochs))
     (params, opt_state), (stats, grad_norms) = jax.lax.scan(
-        epoch_step, (state.params, state.opt_state), epoch_permutations(cfg, key))
+        epoch_step, (state.params, state.opt_state), perms)
     # stats: [epochs, minibatches] of sums over micro-batches of equal size -> whole-batch mean.
     metrics = jax.tree.map(lambda s: jnp.sum(s) / (cfg.noptepochs * nmb * gas), stats)
     metrics["ppo/grad_norm"] = jnp.mean(grad_norms)

@@ -5,7 +5,9 @@
   corpus (pjit_ppo/data/corpus.py) -> rows of seq_length tokens with a loss mask
     (padding never trained; the prompt of prompt/completion records not either)
   model: model.policy_path (HF directory) or model.random, sharded on the mesh by the
-    partition rules, fp32 master weights, compute in model.compute_dtype
+    partition rules, fp32 master weights, compute in model.compute_dtype; with LoRA
+    (model.lora.rank > 0) the weights stay frozen in the compute dtype and only the
+    adapters train (and are checkpointed, with the base's fingerprint)
   AdamW (decay on weight matrices and embeddings), linear warm-up, cosine / linear /
     constant schedule, global-norm clipping; gradient accumulation over micro-batches
   loss = mean over the batch's trained target tokens of -log p(token | prefix)
@@ -21,7 +23,8 @@ Writes into WORKDIR:
                      end (pjit_ppo/loop.py): the same command resumes exactly; SIGTERM /
                      SIGINT finish the step, save and exit 0
   model/             HF model directory (config.json + model.safetensors), loadable by
-                     pjit_ppo.load_pretrained and transformers, plus the tokenizer's files
+                     pjit_ppo.load_pretrained and transformers, plus the tokenizer's files;
+                     with LoRA the adapters merged into the float32 base
 """
 from __future__ import annotations
 
@@ -35,11 +38,11 @@ import numpy as np
 import optax
 from absl import logging
 
-from pjit_ppo import loop, sharding, supervised
+from pjit_ppo import loop, param_makers, rng, sharding, supervised
 from pjit_ppo.config import ConfigError
 from pjit_ppo.data import corpus
 from pjit_ppo.errors import DataError
-from pjit_ppo.models import hidden_states, lm_head_weights, save_pretrained
+from pjit_ppo.models import hidden_states, lm_head_weights, lora, save_pretrained
 from pjit_ppo.models.token_logprobs import head_token_logprobs
 from pjit_ppo.config import SFTConfig
 
@@ -66,7 +69,11 @@ def token_loss_sums(model_cfg, params, batch) -> Dict[str, jax.Array]:
 
 
 def _loss_fn(model_cfg):
-    def fn(params, batch):
+    """(params, batch[, LoRA base, dropout key]) -> (loss sum, sums); with a base, params
+    are the adapters on it."""
+    def fn(params, batch, base=None, key=None):
+        if base is not None:
+            params = lora.attach(base, params, key)
         sums = token_loss_sums(model_cfg, params, batch)
         return sums["loss"], sums
     return fn
@@ -91,10 +98,10 @@ def lr_schedule(config: SFTConfig, total_steps: int) -> optax.Schedule:
 
 
 def _decay_mask(params):
-    """True for weight matrices and embeddings (AdamW decays those only)."""
+    """True for weight matrices, embeddings and LoRA adapters (AdamW decays those only)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: sharding.path_str(path).rsplit("/", 1)[-1] in ("w", "embeddings"),
-        params)
+        lambda path, _: sharding.path_str(path).rsplit("/", 1)[-1] in (
+            "w", "embeddings", *lora.ADAPTER_NAMES), params)
 
 
 def make_optimizer(config: SFTConfig, total_steps: int) -> optax.GradientTransformation:
@@ -170,7 +177,7 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
     the training loss or gradient stops being finite.
     """
     from pjit_ppo.data.prompts import load_tokenizer
-    from pjit_ppo.loading import copy_tokenizer, lm_config, load_lm, write_config
+    from pjit_ppo.loading import copy_tokenizer, lm_config, load_lm, merged_lm, write_config
 
     config.validate()
     tokenizer_path = config.tokenizer_path or config.model.policy_path
@@ -186,7 +193,14 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
     vocab_size = lm_config(config.model, config.model.policy_path).vocab_size
     _check_sizes(config, mesh, len(train_rows), vocab_size, tokenizer, tokenizer_path)
     checkpoints = loop.Checkpoints(workdir, config, _data_fingerprints(train_rows, eval_rows))
-    model_cfg, params = load_lm(config.model, config.model.policy_path, mesh, config.seed)
+    spec = lora.spec_from_options(config.model.lora)
+    base = None  # with LoRA: the frozen base; params are then the adapters
+    if spec is None:
+        model_cfg, params = load_lm(config.model, config.model.policy_path, mesh, config.seed)
+    else:
+        model_cfg, base, params = param_makers.adapted_lm(
+            param_makers.Loaded(mesh), config.model, config.model.policy_path, config.seed)
+        checkpoints.check_base(lora.fingerprint(base))
     write_config(config, workdir)
 
     steps_per_epoch = len(train_rows) // config.batch_size
@@ -195,7 +209,8 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
     schedule = lr_schedule(config, total)
     opt_state = supervised.init_opt_state(optimizer, params, mesh)
     loss_fn = _loss_fn(model_cfg)
-    eval_fn = supervised.make_eval_step(loss_fn, mesh)
+    keyed = spec is not None and spec.dropout > 0
+    eval_fn = supervised.make_eval_step(loss_fn, mesh, frozen=base)
     eval_arrays = eval_rows._asdict()
     micro = config.batch_size // config.gradient_accumulation_steps
 
@@ -206,14 +221,17 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
 
     stage = loop.Stage(
         name="SFT", mesh=mesh,
-        step_fn=supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh),
+        step_fn=supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh,
+                                           frozen=base, keyed=keyed),
         train_arrays=train_rows._asdict(), batch_size=config.batch_size,
         micro_batches=config.gradient_accumulation_steps, seed=config.seed, shuffle_tag="sft",
         total_steps=total,
         train_metrics=(("train/loss", "loss"), ("train/grad_norm", "grad_norm"),
                        ("train/tokens", "weight")),
         lr=lambda step, _: float(schedule(step)), evaluate=held_out,
-        log_every=config.log_every, eval_every=config.eval_every, console_keys=CONSOLE_KEYS)
+        log_every=config.log_every, eval_every=config.eval_every, console_keys=CONSOLE_KEYS,
+        step_key=(lambda step: rng.stream_key(config.seed, "lora_dropout", step)) if keyed
+        else None)
     logging.info("SFT: %d training rows, %d held-out, %d steps of %d rows (%d tokens each)",
                  len(train_rows), len(eval_rows), total, config.batch_size, config.seq_length)
     out = loop.fit(stage, params, opt_state, workdir=workdir, checkpoints=checkpoints,
@@ -222,7 +240,13 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
         return {"preempted": True, "steps": out.steps}
     initial, final = out.progress.first_eval, out.progress.last_eval
     out_dir = os.path.join(workdir, MODEL_DIR)
-    save_pretrained(out_dir, model_cfg, out.params, dtype=config.save_dtype)
+    if spec is None:
+        save_pretrained(out_dir, model_cfg, out.params, dtype=config.save_dtype)
+    else:  # the adapters merged into the float32 base, read again
+        jax.tree.map(lambda x: x.delete(), base)
+        merged_cfg, merged = merged_lm(config.model, config.model.policy_path, mesh,
+                                       config.seed, spec, out.params)
+        save_pretrained(out_dir, merged_cfg, merged, dtype=config.save_dtype)
     copy_tokenizer(tokenizer_path, out_dir)
     logging.info("SFT: held-out loss %.4f -> %.4f; model saved to %s", initial["test/loss"],
                  final["test/loss"], out_dir)
