@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 from absl import logging
 
-from pjit_ppo.demo import configs, procedural_text as corpus, labeller, sampler, tokenizer as demo_tokenizer
+from pjit_ppo.demo import configs, procedural_text as corpus, labeller, sampler, stages, tokenizer as demo_tokenizer
 
 STAGES = ("data", "sft", "labels", "reward", "ppo", "evaluate")
 DPO_STAGES = ("dpo", "dpo_evaluate")
@@ -43,21 +43,6 @@ ALGO_STAGES = {"ppo": STAGES, "dpo": STAGES[:3] + DPO_STAGES, "all": STAGES + DP
 LABEL_TEMPERATURE = 0.25  # the labeller's softmax temperature over VADER compound scores
 DPO_EVAL_SAMPLES = 4      # samples per held-out prompt in DPO's gold evaluation
 DPO_EVAL_SEED = 21        # their random draws (the same for the SFT and the DPO policy)
-
-
-def _done(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, "DONE"))
-
-
-def _mark_done(directory: str, info: Dict[str, Any]) -> None:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "DONE"), "w") as f:
-        json.dump(info, f, indent=2)
-
-
-def _read_done(directory: str) -> Dict[str, Any]:
-    with open(os.path.join(directory, "DONE")) as f:
-        return json.load(f)
 
 
 def _load_tokenizer(p):
@@ -192,11 +177,6 @@ def _stage_dir(p, stage: str) -> str:
             "dpo_evaluate": p["dpo_eval"]}[stage]
 
 
-def _jsonl(path: str) -> List[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def report(workdir: str, stage_info: Dict[str, Dict[str, Any]], wall_seconds: float,
            algo: str = "ppo") -> Dict[str, Any]:
     """Writes summary.json and, for the algorithms that ran, PPO's samples.jsonl and
@@ -227,7 +207,7 @@ def _dpo_report(p, stage_info: Dict[str, Dict[str, Any]], with_common: bool
     shutil.copyfile(os.path.join(p["dpo_eval"], "samples.jsonl"),
                     os.path.join(p["root"], "dpo_samples.jsonl"))
     _dpo_plot(os.path.join(p["root"], "dpo_plot.png"),
-              _jsonl(os.path.join(p["dpo"], "metrics.jsonl")))
+              stages.read_jsonl(os.path.join(p["dpo"], "metrics.jsonl")))
     out = {"dpo_gold_before": ev["gold_before"], "dpo_gold_after": ev["gold_after"],
            "dpo_win_rate_vs_sft": ev["win_rate_vs_sft"],
            "dpo_reward_accuracy": run["test/rewards/accuracies"],
@@ -263,7 +243,7 @@ def _ppo_report(p, stage_info: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """PPO's summary keys; writes samples.jsonl and plot.png."""
     judge = labeller.GoldJudge()
     ev = stage_info["evaluate"]
-    rows = _jsonl(os.path.join(p["ppo"], "eval", str(ev["checkpoint_step"]), "samples.jsonl"))
+    rows = stages.read_jsonl(os.path.join(p["ppo"], "eval", str(ev["checkpoint_step"]), "samples.jsonl"))
     gold_before = judge([r["reference_response"] for r in rows])
     gold_after = judge([r["policy_response"] for r in rows])
     with open(os.path.join(p["root"], "samples.jsonl"), "w", encoding="utf-8") as f:
@@ -273,9 +253,9 @@ def _ppo_report(p, stage_info: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
                                 "reward_before": r["reference_reward"],
                                 "reward_after": r["policy_reward"], "gold_before": float(gb),
                                 "gold_after": float(ga)}, ensure_ascii=False) + "\n")
-    metrics = _jsonl(os.path.join(p["ppo"], "metrics.jsonl"))
+    metrics = stages.read_jsonl(os.path.join(p["ppo"], "metrics.jsonl"))
     tables: Dict[int, List[str]] = {}
-    for r in _jsonl(os.path.join(p["ppo"], "samples.jsonl")):
+    for r in stages.read_jsonl(os.path.join(p["ppo"], "samples.jsonl")):
         tables.setdefault(r["iteration"], []).append(r["response"])
     gold_curve = {it: float(np.mean(judge(texts))) for it, texts in sorted(tables.items())}
     _plot(os.path.join(p["root"], "plot.png"), metrics, gold_curve)
@@ -324,29 +304,12 @@ def run(workdir: str, quick: bool = False, algo: str = "ppo") -> Dict[str, Any]:
     sizes = configs.QUICK if quick else configs.FULL
     arg = workdir + (",quick" if quick else "")
     p = configs.paths(workdir)
-    info: Dict[str, Dict[str, Any]] = {}
-    stages = ALGO_STAGES[algo]
-    for number, stage in enumerate(stages, 1):
-        directory = _stage_dir(p, stage)
-        if _done(directory):
-            info[stage] = _read_done(directory)
-            logging.info("demo stage %d/%d %s: already done", number, len(stages), stage)
-            continue
-        logging.info("demo stage %d/%d %s ...", number, len(stages), stage)
-        start = time.time()
-        result = dict(RUNNERS[stage](arg, sizes))
-        if result.get("preempted"):  # a signal: the stage saved a checkpoint and returned
-            logging.warning("demo stopped in stage %s by a signal; run the same command to "
-                            "finish it", stage)
-            return {"preempted": True, "stage": stage}
-        result["_seconds"] = time.time() - start
-        _mark_done(directory, _json_ready(result))
-        info[stage] = _read_done(directory)
-        logging.info("demo stage %s done in %.0f s", stage, result["_seconds"])
+    info, preempted = stages.run_stages(ALGO_STAGES[algo],
+                                        lambda stage: RUNNERS[stage](arg, sizes),
+                                        lambda stage: _stage_dir(p, stage))
+    if preempted:
+        return {"preempted": True, "stage": preempted}
     summary = report(workdir, info, time.time() - t0, algo)
     logging.info("demo summary: %s", json.dumps(summary))
     return summary
 
-
-def _json_ready(tree):
-    return json.loads(json.dumps(tree, default=lambda x: float(x) if np.ndim(x) == 0 else str(x)))
