@@ -37,9 +37,10 @@ setuptools.setup(
         # transformers (PyTorch models) is only needed to check parity and to
         # make tiny checkpoints in tests; torch is pinned to the CPU wheel.
         "test": ["pytest>=8", "torch==2.13.0", "vaderSentiment==3.3.2", "matplotlib>=3.8",
-                 "datasets>=3", "peft==0.21.2"],
-        # The embedded demo (launch/demo.py): VADER, the gold sentiment judge, and plots.
-        "demo": ["vaderSentiment==3.3.2", "matplotlib>=3.8"],
+                 "datasets>=3", "peft==0.21.2", "jinja2>=3.1"],
+        # The demos: VADER, the gold sentiment judge (launch/demo.py), plots, and jinja2
+        # for the chat template of the math demo's model (launch/demo_math.py).
+        "demo": ["vaderSentiment==3.3.2", "matplotlib>=3.8", "jinja2>=3.1"],
     },
     entry_points={
         "console_scripts": [
