@@ -144,3 +144,15 @@ def test_a_model_that_cannot_be_fetched_is_one_line(tmp_path):
 def test_a_missing_model_path_is_one_line(tmp_path):
     proc = _demo(tmp_path / "demo", f"--model={tmp_path / 'nope.gguf'}", timeout=300)
     assert "nope.gguf: no such file or directory" in _one_error_line(proc)
+
+
+def test_without_jinja2_the_launch_says_what_to_install(tmp_path):
+    """A library install without the demo extra has no jinja2 for the chat template: one
+    line before anything is fetched or written."""
+    hidden = tmp_path / "no_jinja2" / "jinja2"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('No module named jinja2')\n")
+    workdir = tmp_path / "demo"
+    proc = _demo(workdir, timeout=300, PYTHONPATH=str(hidden.parent))
+    assert "needs jinja2: pip install -e '.[demo]'" in _one_error_line(proc)
+    assert not workdir.exists()

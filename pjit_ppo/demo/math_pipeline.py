@@ -189,6 +189,12 @@ def run(workdir: str, quick: bool = False, model: Optional[str] = None) -> Dict[
     dict, or {"preempted": True, "stage": name} when a signal stopped a stage (it saved
     a checkpoint; the same call finishes the demo)."""
     t0 = time.time()
+    try:  # before the fetch: the data stage renders prompts with the chat template
+        import jinja2  # noqa: F401
+    except ImportError:
+        raise DataError("the math demo renders its prompts with the model's chat template, "
+                        "which needs jinja2: pip install -e '.[demo]' (or pip install "
+                        "jinja2)") from None
     arg = workdir + (",quick" if quick else "")
     sizes = math_configs.QUICK if quick else math_configs.FULL
     p = math_configs.paths(workdir)
