@@ -32,7 +32,9 @@ SYSTEM = "You are a helpful assistant."
 DIFFICULTY = "add2"    # two-digit additions in words (pjit_ppo.demo.arithmetic.LEVELS)
 SAMPLES_PER_PROMPT = 4  # GRPO's group size
 RESPONSE_LENGTH = 32   # new tokens per answer (the one-shot answers take about 20)
-TEMPERATURE = 0.7      # GRPO's sampling temperature (greedy for the held-out accuracy)
+TEMPERATURE = 0.3      # GRPO's sampling temperature: near the greedy answer the held-out
+#                        accuracy measures (at 0.7 the base's samples are right 6% of the
+#                        time against 28% greedy; most groups then carry no signal)
 LR = 3e-5              # Adam, no annealing within the short run
 DATA_SEED = 0
 
@@ -41,11 +43,12 @@ DATA_SEED = 0
 class Sizes:
     """How much the demo does; `quick` is the shortened run of the tests."""
 
-    iterations: int = 8          # GRPO iterations
+    iterations: int = 12         # GRPO iterations
     prompts_per_iteration: int = 8  # problems per iteration (x SAMPLES_PER_PROMPT samples)
-    noptepochs: int = 2          # passes over each iteration's samples
+    noptepochs: int = 1          # passes over each iteration's samples (fresh samples
+    #                              teach more per second than a second pass)
     train_problems: int = 512    # the training split (the run uses the first ones it draws)
-    eval_problems: int = 128     # held-out problems (greedy accuracy before and after)
+    eval_problems: int = 192     # held-out problems (greedy accuracy before and after)
     checkpoint_every: int = 4
 
 
