@@ -43,17 +43,19 @@ DATA_SEED = 0
 class Sizes:
     """How much the demo does; `quick` is the shortened run of the tests."""
 
-    iterations: int = 12         # GRPO iterations
+    iterations: int = 14         # GRPO iterations
     prompts_per_iteration: int = 8  # problems per iteration (x SAMPLES_PER_PROMPT samples)
     noptepochs: int = 1          # passes over each iteration's samples (fresh samples
     #                              teach more per second than a second pass)
+    minibatches: int = 2         # optimizer steps per pass: twice the steps, same compute
     train_problems: int = 512    # the training split (the run uses the first ones it draws)
     eval_problems: int = 192     # held-out problems (greedy accuracy before and after)
     checkpoint_every: int = 4
 
 
 FULL = Sizes()
-QUICK = Sizes(iterations=2, prompts_per_iteration=4, noptepochs=1, train_problems=32,
+QUICK = Sizes(iterations=2, prompts_per_iteration=4, noptepochs=1, minibatches=1,
+              train_problems=32,
               eval_problems=16, checkpoint_every=1)
 
 
@@ -110,7 +112,7 @@ def grpo(arg: str = "") -> PPORunConfig:
         ppo=PPOConfig(
             advantage_estimator="grpo", samples_per_prompt=SAMPLES_PER_PROMPT,
             loss_aggregation="sequence_mean", query_length=ids["query_length"],
-            response_length=RESPONSE_LENGTH, batch_size=batch, nminibatches=1,
+            response_length=RESPONSE_LENGTH, batch_size=batch, nminibatches=sizes.minibatches,
             noptepochs=sizes.noptepochs, total_episodes=batch * sizes.iterations,
             temperature=TEMPERATURE, pad_token_id=ids["pad"], truncate_token=ids["stop"],
             truncate_after=0, penalty_reward_value=0.0, optimizer="adam", lr=LR, eps=1e-8,
