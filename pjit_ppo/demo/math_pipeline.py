@@ -71,7 +71,8 @@ def stage_data(arg: str, sizes: math_configs.Sizes, model: Optional[str]) -> Dic
     tok = _tokenizer(workdir)
     train, held_out = arithmetic.write_splits(
         p["data"], math_configs.DIFFICULTY, sizes.train_problems, sizes.eval_problems,
-        seed=math_configs.DATA_SEED, tokenizer=tok, system=math_configs.SYSTEM)
+        seed=math_configs.DATA_SEED, tokenizer=tok, system=math_configs.SYSTEM,
+        example=math_configs.ONE_SHOT)
     longest = max(len(tok(r["prompt"], add_special_tokens=False)["input_ids"])
                   for path in (train, held_out) for r in stages.read_jsonl(path))
     stop = tok.eos_token_id
