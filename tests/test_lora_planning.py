@@ -85,3 +85,33 @@ def test_scale_recipes_have_lora_variants():
     assert load("llama_7b", "grpo,lora").to_dict() == llama.to_dict()
     for config in (gptj, llama):
         config.validate()
+
+
+def test_planner_plans_a_recipe_before_its_download(monkeypatch, tmp_path):
+    """llama_7b names models/llama-2-7b, which is not here: the planner plans the shape the
+    recipe gives in model.random and says so; a path that exists is kept."""
+    from pjit_ppo.cli import plan as plan_cli
+    monkeypatch.chdir(tmp_path)
+    config = load("llama_7b", "lora,grpo")
+    notes = plan_cli.plan_shapes_without_downloads(config)
+    assert config.model.policy_path == "" and config.reward.path == ""
+    assert len(notes) == 2 and "model.policy_path='models/llama-2-7b' is not here" in notes[0]
+    assert config.model.random["hidden_size"] == 4096
+    (tmp_path / "models" / "llama-2-7b").mkdir(parents=True)
+    config = load("llama_7b", "lora,grpo")
+    notes = plan_cli.plan_shapes_without_downloads(config)
+    assert config.model.policy_path == "models/llama-2-7b" and len(notes) == 1
+
+
+def test_planning_on_cpu_devices_keeps_bf16_weights_in_the_loop(monkeypatch):
+    """The fake CPU devices come with XLA:CPU's weight-upcast hoisting turned off, merged
+    with passes the user turned off already."""
+    from pjit_ppo.cli import plan as plan_cli
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                    "--xla_disable_hlo_passes=foo --xla_dump_to=/tmp/x")
+    plan_cli.fake_cpu_devices(2)
+    flags = __import__("os").environ["XLA_FLAGS"].split()
+    assert "--xla_force_host_platform_device_count=2" in flags and "--xla_dump_to=/tmp/x" in flags
+    assert ("--xla_disable_hlo_passes=foo,while-loop-invariant-code-motion,"
+            "while-loop-expensive-invariant-code-motion") in flags
+    assert len(flags) == 3

@@ -30,11 +30,25 @@ _SEARCH = flags.DEFINE_bool("search", True, "Also find the largest micro-batch o
 flags.mark_flags_as_required(["config"])
 
 
+#: XLA passes the planner turns off when it plans on CPU devices. XLA:CPU has no bf16
+#: matmul: it converts bf16 operands to f32, and these passes hoist the conversion of
+#: every layer's weights out of the layer loop, a float32 copy of all the bf16 weights
+#: (48 of the 113 GiB Llama-2-7B's LoRA GRPO rollout would otherwise plan) that an
+#: accelerator, which multiplies bf16 natively, never allocates.
+CPU_ONLY_HOISTING = ("while-loop-invariant-code-motion",
+                     "while-loop-expensive-invariant-code-motion")
+
+
 def fake_cpu_devices(n: int) -> None:
-    """Lets the CPU backend show n devices (must run before jax initialises a backend)."""
-    flag = "--xla_force_host_platform_device_count"
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
-    os.environ["XLA_FLAGS"] = " ".join(kept + [f"{flag}={n}"])
+    """Lets the CPU backend show n devices and plan as an accelerator would (see
+    CPU_ONLY_HOISTING); must run before jax initialises a backend."""
+    flag, passes = "--xla_force_host_platform_device_count", "--xla_disable_hlo_passes"
+    flags_now = os.environ.get("XLA_FLAGS", "").split()
+    disabled = [p for f in flags_now if f.startswith(passes + "=")
+                for p in f.split("=", 1)[1].split(",") if p]
+    kept = [f for f in flags_now if not f.startswith(flag) and not f.startswith(passes)]
+    disabled += [p for p in CPU_ONLY_HOISTING if p not in disabled]
+    os.environ["XLA_FLAGS"] = " ".join(kept + [f"{flag}={n}", f"{passes}={','.join(disabled)}"])
 
 
 def plan_devices(n: int):
@@ -48,9 +62,33 @@ def plan_devices(n: int):
     return jax.devices("cpu")[:n]
 
 
+def plan_shapes_without_downloads(config) -> list:
+    """A recipe that names model files not downloaded yet, and gives their shape in
+    model.random, is planned on that shape: planning is what one does before a
+    download. Clears those paths in `config` (in place); returns a note per path."""
+    notes = []
+    if not config.model.random:
+        return notes
+    for section, field in (("model", "policy_path"), ("reward", "path")):
+        options = getattr(config, section, None)
+        path = getattr(options, field, "") if options is not None else ""
+        if path and not os.path.exists(path):
+            setattr(options, field, "")
+            if section == "reward":  # the policy's shape with a head: shapes are all it needs
+                options.allow_random_head = True
+            notes.append(f"note: {section}.{field}={path!r} is not here: planning the shape "
+                         f"in model.random (the recipe's) instead")
+    if notes and not config.model.policy_path and getattr(config.data, "tokenizer_path", ""):
+        if not os.path.exists(config.data.tokenizer_path):
+            config.data.tokenizer_path = ""
+    return notes
+
+
 def main(argv):
     common.no_extra_args(argv)
     from pjit_ppo import preflight
+    for note in plan_shapes_without_downloads(_CONFIG.value):
+        print(note, file=sys.stderr)
     with common.config_errors():  # the launch checks of training, before jax: one line, exit 2
         preflight.check_plan(_CONFIG.value)
     if _DEVICES.value > 0:
