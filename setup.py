@@ -36,8 +36,9 @@ setuptools.setup(
     extras_require={
         # transformers (PyTorch models) is only needed to check parity and to
         # make tiny checkpoints in tests; torch is pinned to the CPU wheel.
-        "test": ["pytest>=8", "torch==2.13.0", "vaderSentiment==3.3.2", "matplotlib>=3.8",
-                 "datasets>=3", "peft==0.21.2", "jinja2>=3.1"],
+        # pytest-xdist: the suite runs in two worker processes (pytest.ini).
+        "test": ["pytest>=8", "pytest-xdist==3.8.0", "torch==2.13.0", "vaderSentiment==3.3.2",
+                 "matplotlib>=3.8", "datasets>=3", "peft==0.21.2", "jinja2>=3.1"],
         # The demos: VADER, the gold sentiment judge (launch/demo.py), plots, and jinja2
         # for the chat template of the math demo's model (launch/demo_math.py).
         "demo": ["vaderSentiment==3.3.2", "matplotlib>=3.8", "jinja2>=3.1"],
