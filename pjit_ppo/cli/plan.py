@@ -63,24 +63,27 @@ def plan_devices(n: int):
 
 
 def plan_shapes_without_downloads(config) -> list:
-    """A recipe that names model files not downloaded yet, and gives their shape in
-    model.random, is planned on that shape: planning is what one does before a
-    download. Clears those paths in `config` (in place); returns a note per path."""
-    notes = []
+    """A recipe whose model files are none of them here (not downloaded yet), and which
+    gives their shape in model.random, is planned on that shape: planning is what one
+    does before a download. Clears those paths in `config` (in place) and returns a note
+    per path. When any of them is here the user pointed at their own files, and a missing
+    one is their mistake: nothing changes and the launch checks name it."""
     if not config.model.random:
-        return notes
-    for section, field in (("model", "policy_path"), ("reward", "path")):
-        options = getattr(config, section, None)
-        path = getattr(options, field, "") if options is not None else ""
-        if path and not os.path.exists(path):
-            setattr(options, field, "")
-            if section == "reward":  # the policy's shape with a head: shapes are all it needs
-                options.allow_random_head = True
-            notes.append(f"note: {section}.{field}={path!r} is not here: planning the shape "
-                         f"in model.random (the recipe's) instead")
-    if notes and not config.model.policy_path and getattr(config.data, "tokenizer_path", ""):
-        if not os.path.exists(config.data.tokenizer_path):
-            config.data.tokenizer_path = ""
+        return []
+    fields = [(options, field, getattr(options, field))
+              for options, field in ((config.model, "policy_path"), (config.reward, "path"))
+              if getattr(options, field)]
+    if not fields or any(os.path.exists(path) for _, _, path in fields):
+        return []
+    notes = []
+    for options, field, path in fields:
+        setattr(options, field, "")
+        section = "model" if options is config.model else "reward"
+        notes.append(f"note: {section}.{field}={path!r} is not here: planning the shape in "
+                     f"model.random (the recipe's) instead")
+    config.reward.allow_random_head = True  # the policy's shape with a head: shapes suffice
+    if config.data.tokenizer_path and not os.path.exists(config.data.tokenizer_path):
+        config.data.tokenizer_path = ""
     return notes
 
 
