@@ -100,8 +100,8 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
     """Evaluates checkpoint `step` (latest complete when None) of the run in `workdir`.
 
     Returns the eval.json dict: checkpoint_step, num_prompts, prompt_set_size,
-    prompts_repeat, reward_mean, reward_std, reference_reward_mean, kl_mean,
-    win_rate_vs_reference, temperature, greedy.
+    prompts_repeat, reward_mean, reward_std, reference_reward_mean, kl_mean (null with
+    evaluation.kl=False), win_rate_vs_reference, temperature, greedy.
     """
     resolve_token_ids(config)
     ckpt = checkpoint.RunCheckpointer(workdir, config.checkpoint, read_only=True)
@@ -148,6 +148,8 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
                                  host[0])
         ref_scored = score_responses(cfg, reward_fn, reward_params, query, query_mask,
                                      ref_response, host[1])
+        if not ev.kl:
+            return scored[0], ref_scored[0], None, scored[3], ref_scored[3]
         kl = (scoring.response_logprobs(policy_cfg, policy, query, query_mask, response,
                                         temperature)
               - scoring.response_logprobs(policy_cfg, reference, query, query_mask, response,
@@ -181,7 +183,7 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
         "reward_mean": float(scores.mean()),
         "reward_std": float(scores.std()),
         "reference_reward_mean": float(ref_scores.mean()),
-        "kl_mean": float(kl.mean()),
+        "kl_mean": None if kl is None else float(kl.mean()),  # evaluation.kl=False: null
         "win_rate_vs_reference": win_rate(scores, ref_scores),
         "temperature": temperature,
         "greedy": ev.greedy,
@@ -225,7 +227,7 @@ def evaluate(config: RunConfig, workdir: str, step: Optional[int] = None) -> Dic
                 "policy_response": shown(response[i]),
                 "reference_response": shown(ref_response[i]),
                 "policy_reward": float(scores[i]), "reference_reward": float(ref_scores[i]),
-                "kl": float(kl[i]), **row_extras(i)}, ensure_ascii=False) + "\n")
+                "kl": None if kl is None else float(kl[i]), **row_extras(i)}, ensure_ascii=False) + "\n")
     os.replace(os.path.join(out_dir, "samples.jsonl.tmp"), os.path.join(out_dir, "samples.jsonl"))
     with open(os.path.join(out_dir, "eval.json.tmp"), "w") as f:
         json.dump(result, f, indent=2)

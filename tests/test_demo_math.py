@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import runs
+from pjit_ppo.demo import math_pipeline
 
 QUICK_ITERATIONS, QUICK_EVAL = 2, 16  # pjit_ppo/demo/math_configs.py QUICK
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -103,6 +104,15 @@ def test_quick_demo_on_a_model_of_your_own(model_dir, tmp_path):
         rate = summary[f"accuracy_{when}"]
         assert summary[f"accuracy_{when}_se"] == pytest.approx(
             np.sqrt(rate * (1 - rate) / QUICK_EVAL))
+    # The paired difference counts the problems each side got right alone.
+    gained = sum(1 for r in rows if r["correct_after"] > r["correct_before"])
+    lost = sum(1 for r in rows if r["correct_before"] > r["correct_after"])
+    assert (summary["problems_gained"], summary["problems_lost"]) == (gained, lost)
+    assert summary["accuracy_difference"] == pytest.approx(
+        summary["accuracy_after"] - summary["accuracy_before"], abs=1e-6)
+    # The demo's evaluation skips the KL passes: eval.json says so with a null.
+    eval_json = json.loads(next((workdir / "grpo" / "eval").glob("*/eval.json")).read_text())
+    assert eval_json["kl_mean"] is None
     # The training run: the reward is the weighted sum of its two logged terms.
     metrics = runs.strict_lines(workdir / "grpo" / "metrics.jsonl")
     assert len(metrics) == QUICK_ITERATIONS
@@ -156,3 +166,15 @@ def test_without_jinja2_the_launch_says_what_to_install(tmp_path):
     proc = _demo(workdir, timeout=300, PYTHONPATH=str(hidden.parent))
     assert "needs jinja2: pip install -e '.[demo]'" in _one_error_line(proc)
     assert not workdir.exists()
+
+
+def test_paired_difference_and_its_standard_error():
+    before = [1, 1, 0, 0, 0, 1, 0, 0]
+    after = [1, 0, 1, 1, 0, 1, 1, 0]
+    d = math_pipeline.paired_difference(before, after)
+    assert (d["problems_gained"], d["problems_lost"]) == (3, 1)
+    assert d["accuracy_difference"] == pytest.approx(np.mean(after) - np.mean(before))
+    # The standard error of the mean of the per-problem differences (population variance).
+    diffs = np.array(after) - np.array(before)
+    assert d["accuracy_difference_se"] == pytest.approx(np.sqrt(diffs.var() / len(diffs)))
+    assert math_pipeline.paired_difference([1, 0], [1, 0])["accuracy_difference_se"] == 0.0

@@ -340,6 +340,9 @@ class EvalOptions:
     temperature: float = 0.0          # sampling temperature; 0 = ppo.temperature
     greedy: bool = False              # argmax decoding instead of sampling
     seed: int = 0                     # seed of the evaluation prompts and samples
+    kl: bool = True                   # KL(policy || reference) of the policy's samples
+    #                                   (two more passes over every sample: about half of
+    #                                   the evaluation's work); False writes kl_mean null
 
     def validate(self) -> "EvalOptions":
         int_at_least("evaluation.num_prompts", self.num_prompts, 0,
@@ -348,6 +351,7 @@ class EvalOptions:
         need(self.temperature >= 0, f"evaluation.temperature={self.temperature} must be > 0, "
                                      f"or 0 for ppo.temperature")
         int_at_least("evaluation.seed", self.seed, 0)
+        need(isinstance(self.kl, bool), f"evaluation.kl={self.kl!r} must be True or False")
         return self
 
 

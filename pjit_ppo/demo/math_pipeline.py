@@ -19,7 +19,8 @@ The report (in the work directory):
   plot.png       training reward, training accuracy and KL over GRPO iterations, with
                  the held-out accuracy before and after
   summary.json   accuracy_before, accuracy_after (and their binomial standard errors),
-                 num_eval_problems, format_rate_before, format_rate_after, kl_final,
+                 num_eval_problems, the paired difference (accuracy_difference, its
+                 standard error, problems gained and lost), format_rate_before, format_rate_after, kl_final,
                  wall_seconds (and more)
 """
 from __future__ import annotations
@@ -114,6 +115,18 @@ def standard_error(rate: float, n: int) -> float:
     return math.sqrt(rate * (1.0 - rate) / n) if n else float("nan")
 
 
+def paired_difference(before: List[float], after: List[float]) -> Dict[str, float]:
+    """accuracy_after - accuracy_before on the same problems, with its paired standard
+    error: before, after are 0/1 per problem [n]. gained = wrong before and right after,
+    lost = the reverse; se = sqrt(gained + lost - (gained - lost)^2 / n) / n."""
+    n = len(before)
+    gained = sum(1 for b, a in zip(before, after) if a > b)
+    lost = sum(1 for b, a in zip(before, after) if b > a)
+    se = math.sqrt(max(gained + lost - (gained - lost) ** 2 / n, 0.0)) / n if n else float("nan")
+    return {"accuracy_difference": (gained - lost) / n if n else float("nan"),
+            "accuracy_difference_se": se, "problems_gained": gained, "problems_lost": lost}
+
+
 def report(workdir: str, info: Dict[str, Dict[str, Any]], wall_seconds: float
            ) -> Dict[str, Any]:
     """Writes samples.jsonl, plot.png and summary.json; returns the summary."""
@@ -137,6 +150,8 @@ def report(workdir: str, info: Dict[str, Dict[str, Any]], wall_seconds: float
                 "format_before": r["reference_terms"]["format"],
                 "format_after": r["policy_terms"]["format"]}, ensure_ascii=False) + "\n")
     n = len(rows)
+    paired = paired_difference([r["reference_terms"]["correct"] for r in rows],
+                               [r["policy_terms"]["correct"] for r in rows])
     terms = ev["terms"]
     before, after = terms["correct"]["reference_mean"], terms["correct"]["policy_mean"]
     metrics = stages.read_jsonl(os.path.join(p["grpo"], "metrics.jsonl"))
@@ -146,9 +161,10 @@ def report(workdir: str, info: Dict[str, Dict[str, Any]], wall_seconds: float
         "accuracy_before_se": standard_error(before, n),
         "accuracy_after_se": standard_error(after, n),
         "num_eval_problems": n,
+        **paired,
         "format_rate_before": terms["format"]["reference_mean"],
         "format_rate_after": terms["format"]["policy_mean"],
-        "kl_final": metrics[-1]["objective/kl"], "eval_kl": ev["kl_mean"],
+        "kl_final": metrics[-1]["objective/kl"],
         "train_accuracy_first": metrics[0]["reward/correct"],
         "train_accuracy_last": metrics[-1]["reward/correct"],
         "grpo_iterations": metrics[-1]["iteration"],
