@@ -73,8 +73,8 @@ def make_lr_schedule(
     num_updates may be an int or a (traced) int scalar array: a schedule built inside
     a jitted function from an argument makes the run length an input of the compiled
     program instead of a constant in it, so runs that differ only in their length
-    share one program (the same float32 arithmetic either way: the division is by
-    num_updates as float32).
+    share one program (the same float32 arithmetic either way: a multiplication by the
+    float32 reciprocal of num_updates).
 
     Returns:
       schedule: int scalar count -> float32 scalar lr (jittable).
@@ -86,7 +86,10 @@ def make_lr_schedule(
         if not anneal_lr:
             return jnp.asarray(learning_rate, jnp.float32)
         update = (jnp.asarray(count, jnp.int32) // steps_per_update).astype(jnp.float32)
-        frac = jnp.maximum(1.0 - update / jnp.asarray(num_updates, jnp.float32), 0.0)
+        # update * (1 / n), not update / n: XLA rewrites a division by a constant into
+        # this product, so a run length given as a runtime input computes the same
+        # float32 numbers as one compiled in as a constant.
+        frac = jnp.maximum(1.0 - update * (1.0 / jnp.asarray(num_updates, jnp.float32)), 0.0)
         return jnp.asarray(learning_rate, jnp.float32) * frac
 
     return schedule

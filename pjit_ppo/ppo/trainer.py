@@ -141,10 +141,10 @@ class PPOTrainer:
         self.optimizer = optimizer or make_ppo_optimizer(cfg, self.num_updates)
         #: Whether the default optimizer is rebuilt inside the compiled update from its
         #: run-length argument (`num_updates` an input of the program, so runs differing
-        #: only in length share one compile). Off: dividing by a runtime length instead of
-        #: a constant moved ppo/lr in its last float32 digit, which training amplifies;
-        #: the reference runs must stay bit-identical until that is resolved.
-        self._run_length_input = False
+        #: only in length share one compile and the compilation cache). The schedule
+        #: multiplies by the length's reciprocal, which is what XLA makes of a division by
+        #: a constant: the same float32 learning rates as a length compiled in.
+        self._run_length_input = optimizer is None
         self.flops = flops_lib.ppo_phase_flops(cfg, models, reward_flops)
         self.peak_flops = peak_flops
         self._rollout = None
