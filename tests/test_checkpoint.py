@@ -256,7 +256,7 @@ def test_restore_onto_another_mesh(tmp_path):
     device with more iterations (mesh and num_iterations may change on resume)."""
     workdir = tmp_path / "run"
     proc = runs.run("train_ppo.py", *runs.train_args(workdir, "--config.mesh.fsdp=4",
-                                                     "--config.mesh.tensor=2",
+                                                     "--config.mesh.tensor=2", *runs.ONE_EPOCH,
                                                      iterations=3), devices=8)
     assert proc.returncode == 0, proc.stderr[-3000:]
     dumps = {}
@@ -273,7 +273,7 @@ def test_restore_onto_another_mesh(tmp_path):
     _assert_same_arrays(dumps[8], dumps[1])
 
     # Changes a resume allows: another mesh (1 device now) and a longer run.
-    proc = runs.run("train_ppo.py", *runs.train_args(workdir, iterations=4))
+    proc = runs.run("train_ppo.py", *runs.train_args(workdir, *runs.ONE_EPOCH, iterations=4))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from checkpoint 3" in proc.stderr
     lines = runs.strict_lines(workdir / "metrics.jsonl")

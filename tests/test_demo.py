@@ -4,6 +4,7 @@ default) and DPO (--algo=dpo) on the same labels."""
 import json
 import math
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -49,12 +50,19 @@ def test_noisy_choices_prefer_the_best_and_sometimes_err():
     assert (labeller.noisy_choices(gold[:10], 1e-9, seed=1) == 3).all()
 
 
-@pytest.mark.slow
-def test_shortened_demo_writes_every_output(tmp_path):
-    workdir = str(tmp_path / "demo")
+@pytest.fixture(scope="module")
+def quick_ppo_demo(tmp_path_factory):
+    """(work directory, CompletedProcess) of `demo.py --quick`, run once per module."""
+    workdir = str(tmp_path_factory.mktemp("ppo_demo") / "demo")
     result = subprocess.run(runs.command("demo.py", f"--workdir={workdir}", "--quick"),
                             cwd=runs.ROOT, env=runs.env(), capture_output=True, text=True,
                             timeout=1500)
+    return workdir, result
+
+
+@pytest.mark.slow
+def test_shortened_demo_writes_every_output(quick_ppo_demo):
+    workdir, result = quick_ppo_demo
     assert result.returncode == 0, result.stderr[-4000:]
     for name in ("samples.jsonl", "plot.png", "summary.json", "data/tokenizer/tokenizer.json",
                  "sft/model/config.json", "sft/metrics.jsonl", "labels/labels.jsonl",
@@ -85,15 +93,22 @@ def test_shortened_demo_writes_every_output(tmp_path):
 
 
 @pytest.mark.slow
-def test_shortened_demo_with_dpo_raises_the_gold_score(tmp_path):
+def test_shortened_demo_with_dpo_raises_the_gold_score(quick_ppo_demo, tmp_path):
     """--algo=dpo: the same data, SFT policy and labels, then DPO instead of the reward
     model and PPO; the DPO policy's samples of held-out prompts score higher with the gold
-    judge than the SFT policy's (same prompts, same random draws)."""
+    judge than the SFT policy's (same prompts, same random draws). The stages both
+    algorithms share are the PPO demo's, copied: this run finds them done, as a user's
+    second `--algo=dpo` in the same work directory would."""
     workdir = str(tmp_path / "demo")
+    ppo_workdir, ppo_result = quick_ppo_demo
+    assert ppo_result.returncode == 0, ppo_result.stderr[-4000:]
+    for stage in ("data", "sft", "labels"):
+        shutil.copytree(os.path.join(ppo_workdir, stage), os.path.join(workdir, stage))
     args = (f"--workdir={workdir}", "--quick", "--algo=dpo")
     result = subprocess.run(runs.command("demo.py", *args), cwd=runs.ROOT, env=runs.env(),
                             capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stderr.count("already done") == 3  # data, sft, labels
     printed = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(printed) == {"dpo_gold_before", "dpo_gold_after", "dpo_reward_accuracy",
                             "wall_seconds"}

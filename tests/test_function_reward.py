@@ -592,7 +592,8 @@ def test_grpo_learns_with_the_built_in_exact_match_and_format_terms(tmp_path):
         f"--config.data.prompts_path={tmp_path / 'prompts.jsonl'}",
         f"--config.data.tokenizer_path={tmp_path / 'tok'}", "--config.ppo.pad_token_id=1",
         "--config.ppo.response_length=4", "--config.data.samples_every=10"),
-        cwd=runs.ROOT, env=runs.env(DEVICES), capture_output=True, text=True, timeout=1500)
+        # One device: what is learned is the point, not sharding (the same numbers).
+        cwd=runs.ROOT, env=runs.env(1), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = runs.strict_lines(workdir / "metrics.jsonl")
     assert len(metrics) == iterations

@@ -105,7 +105,8 @@ def test_epoch_order_is_a_fresh_permutation_and_resumable(demo_files):
 
 def _ppo_args(files, workdir, iterations, extra=()):
     pad = "1"  # the demo tokenizer's <pad>
-    return ["train_ppo.py", *runs.train_args(workdir, iterations=iterations, every=2),
+    return ["train_ppo.py", *runs.train_args(workdir, *runs.ONE_EPOCH, iterations=iterations,
+                                             every=2),
         f"--config.data.prompts_path={files['prompts_train']}",
         f"--config.data.tokenizer_path={files['tok']}",
         f"--config.ppo.pad_token_id={pad}",
