@@ -52,8 +52,8 @@ class Sizes:
     prompts_per_iteration: int = 8  # problems per iteration (x SAMPLES_PER_PROMPT samples)
     noptepochs: int = 1          # passes over each iteration's samples (fresh samples
     #                              teach more per second than a second pass)
-    minibatches: int = 1         # optimizer steps per pass (2 did worse: 0.297 -> 0.318
-    #                              in 14 iterations against 0.297 -> 0.406 in 12)
+    minibatches: int = 1         # optimizer steps per pass (at lr 3e-5, 2 did worse:
+    #                              0.297 -> 0.318 in 14 iterations against 0.406 in 12)
     train_problems: int = 512    # the training split (the run uses the first ones it draws)
     eval_problems: int = 384     # held-out problems (greedy accuracy before and after;
     #                              384 puts the binomial standard error near 0.025)
