@@ -255,7 +255,7 @@ def test_a_dead_process_stops_the_other(tmp_path, victim):
     """SIGKILL one process mid-run: the other exits non-zero with a message (heartbeats,
     or the broken collective), within a bounded time, not hanging forever."""
     workdir = str(tmp_path / "run")
-    procs = start_group(workdir, 2, 4, iterations=200, heartbeat=30)
+    procs = start_group(workdir, 2, 4, iterations=200, heartbeat=15)
     try:
         runs.wait_for(lambda: runs.metric_lines(workdir) >= 1, timeout=600, proc=procs[0])
         procs[victim].send_signal(signal.SIGKILL)
