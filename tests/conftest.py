@@ -44,20 +44,3 @@ def tiny(tmp_path_factory):
         return cache[variant]
 
     return get
-
-
-def pytest_collection_modifyitems(config, items):
-    """Longest test files first (tests/file_seconds.json), each file's own order kept.
-
-    With two workers taking whole files, the suite's wall time is set by its tail: the
-    slowest files start first and the short ones fill the gaps at the end. A file with no
-    measurement yet (a new one) goes first, where its length cannot make the tail.
-    pytest.ini turns off xdist's own reordering (by number of tests per file), which
-    would undo this."""
-    import file_seconds
-    seconds = file_seconds.load()
-    order = {}
-    for item in items:
-        order.setdefault(item.path.name, len(order))
-    items.sort(key=lambda item: (-seconds.get(item.path.name, float("inf")),
-                                 order[item.path.name]))

@@ -54,10 +54,10 @@ def start(script: str, *args, devices: int = 1, log_path=None) -> subprocess.Pop
 
 
 #: One PPO epoch per iteration (the tiny recipe has four), for runs that check plumbing
-#: rather than learning. Runs with the same devices, overrides and run length (the LR
-#: schedule's length is a constant of the compiled update) compile the same programs and
-#: share the session's compilation cache: test_multihost's one-process reference and
-#: test_planning's profiled run (8 devices, 2 iterations) are one program.
+#: rather than learning. Runs with the same devices and overrides compile the same
+#: programs whatever their run length (the default LR schedule's length is an input of
+#: the compiled update) and share the session's compilation cache: test_multihost's
+#: one-process reference and test_planning's profiled run (8 devices) are one program.
 ONE_EPOCH = ("--config.ppo.noptepochs=1",)
 
 
