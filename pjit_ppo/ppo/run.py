@@ -4,15 +4,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import signal
-import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from absl import logging
 
-from pjit_ppo import (checkpoint, data, distributed, flops, memory_analysis,
+from pjit_ppo import (checkpoint, data, flops, loop, memory_analysis,
                       metrics as metrics_lib, param_makers, rewards, sharding)
 from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
 from pjit_ppo.errors import DataError
@@ -191,32 +189,6 @@ def _check_prompt_stream(saved: Dict[str, Any], now: Dict[str, Any], step: int) 
                 f"or start a new --workdir")
 
 
-class _Preemption:
-    """SIGTERM / SIGINT handler: the first signal asks the loop to stop after the current
-    iteration (then the run saves and exits 0); a second one interrupts at once."""
-
-    def __init__(self):
-        self.signal: Optional[int] = None
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signal is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
-        self.signal = signum
-        logging.warning("received %s: finishing this iteration, then saving a checkpoint",
-                        signal.Signals(signum).name)
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def log_memory_plan(job: Job, state: TrainState) -> Dict[str, Any]:
     """Compiles both phases (the first iteration reuses them: no second compile) and logs
     the memory plan, one line per phase (`pjit_ppo.ppo.memory_plan`); warns when it will
@@ -319,11 +291,11 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
     def should_stop(preemption):
         # Every process stops after the same iteration, even when the signal reached
         # only some of them (a multi-process run then saves one checkpoint together).
-        stopping["agreed"] = distributed.any_process(preemption.signal is not None)
+        stopping["agreed"] = preemption.agreed()
         return stopping["agreed"]
 
     try:
-        with _Preemption() as preemption:
+        with loop.Preemption() as preemption:
             job.trainer.train(state, job.frozen, job.prompts, job.num_iterations, writer=writer,
                               start_iteration=start, on_iteration=on_iteration,
                               should_stop=lambda: should_stop(preemption),
