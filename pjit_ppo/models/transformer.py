@@ -31,7 +31,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from pjit_ppo.models import lora
+from pjit_ppo.models import lora, projection
 from pjit_ppo.models.config import ModelConfig
 from pjit_ppo.padding import position_ids_from_mask
 
@@ -142,7 +142,7 @@ def _dense(x, name, in_shape, out_shape, bias, dtype, contract=1, adapter=None):
     term when `adapter` is (rank, scale, dropout) (`lora.layer_adapter`)."""
     with hk.name_scope(name):
         w = _param("w", list(in_shape) + list(out_shape), hk.initializers.RandomNormal(0.02))
-        y = jnp.tensordot(x, w.astype(dtype), axes=contract)
+        y = projection.project(x, w.astype(dtype), contract)
         if adapter is not None:
             y = y + _lora_term(x, name, in_shape, out_shape, dtype, contract, adapter)
         if bias:
