@@ -252,6 +252,25 @@ def _prefix_attention(qg, k, v, cache_kv, biases, dtype):
     return out, (ck, cv)
 
 
+def _head_major_attention(qg, k, v, bias, dtype):
+    """Attention of qg [B, T, KV, G, hd] (scaled) over k, v [B, S, KV, hd] without a cache,
+    as batched [G*T, hd] x [hd, S] and [G*T, S] x [S, hd] matmuls per (row, KV head).
+
+    The same dot products as the token-major einsums; XLA:CPU runs these head-major
+    batched matmuls about twice as fast (docs/performance.md). bias: [B, 1, 1, T, S].
+    Returns [B, T, KV, G, hd].
+    """
+    b, t, kv, g, hd = qg.shape
+    s = k.shape[1]
+    qh = jnp.transpose(qg, (0, 2, 3, 1, 4)).reshape(b, kv, g * t, hd)
+    kh, vh = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
+    scores = jnp.einsum("bktd,bksd->bkts", qh, kh, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, kv, g, t, s) + bias
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b, kv, g * t, s)
+    out = jnp.einsum("bkts,bksd->bktd", probs, vh).reshape(b, kv, g, t, hd)
+    return jnp.transpose(out, (0, 3, 1, 2, 4))
+
+
 def _attention(config, x, positions, biases, cache_kv, query=None):
     """Causal self-attention of the new tokens x over themselves and the cache.
 
@@ -299,10 +318,7 @@ def _attention(config, x, positions, biases, cache_kv, query=None):
             out = jnp.einsum("bkgts,bksd->btkgd", probs, cv.astype(dtype))
             new_kv = (ck, cv)
         elif cache_kv is None:
-            scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
-                                preferred_element_type=jnp.float32) + bias_new
-            probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-            out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+            out = _head_major_attention(qg, k, v, bias_new, dtype)
         else:
             scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
                                 preferred_element_type=jnp.float32) + bias_new
