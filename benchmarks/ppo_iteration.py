@@ -72,7 +72,8 @@ def make_config(args) -> RunConfig:
                       nminibatches=1, noptepochs=4, gradient_accumulation_steps=args.grad_accum,
                       total_episodes=args.batch_size * 1000, critic_init="reward",
                       pad_token_id=50256, advantage_estimator=args.advantage_estimator,
-                      samples_per_prompt=samples_per_prompt(args)),
+                      samples_per_prompt=samples_per_prompt(args),
+                      recompute_rollout_logprobs=bool(args.recompute_rollout_logprobs)),
         mesh=MeshConfig(data=args.mesh_data, fsdp=args.mesh_fsdp, tensor=1),
         measure_peak=False)
 
@@ -95,6 +96,10 @@ def main():
                    choices=("gae", "grpo", "rloo", "reinforce_pp"))
     p.add_argument("--samples_per_prompt", type=int, default=0,
                    help="responses per prompt; 0 = 1 for gae, 4 for the critic-free ones")
+    p.add_argument("--recompute_rollout_logprobs", type=int, default=1, choices=(0, 1),
+                   help="1 (the default config): the rollout recomputes the policy's log-probs "
+                        "with a full forward; 0: it keeps the sampler's, as TRL's PPOTrainer "
+                        "does (one policy pass less)")
     p.add_argument("--peak_rounds", type=int, default=2,
                    help="model-shaped peak samples before the first timed iteration and "
                         "after each one")
@@ -155,6 +160,7 @@ def report(args, config, trainer, state, first, rows, peak, build_s, warm_s, pea
     secs = {"rollout": rollout_s, "update": update_s, "iteration": it_s}
     peaks = {k: v * devices for k, v in peak.median().items()}
     print(f"estimator: {ppo.advantage_estimator}  samples_per_prompt: {ppo.samples_per_prompt} "
+          f"recompute_rollout_logprobs: {ppo.recompute_rollout_logprobs} "
           f"({ppo.prompts_per_iteration} prompts)  trainable: {sorted(state.params)}")
     print(f"shape: arch={args.arch} preset={args.preset} batch={args.batch_size} query=64 "
           f"response=24 epochs=4 minibatches=1 grad_accum={args.grad_accum} dtype={args.dtype} "
