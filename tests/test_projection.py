@@ -64,3 +64,22 @@ def test_a_frozen_weight_gets_no_gradient_work():
     shapes = [line for line in hlo.splitlines() if " dot(" in line or "dot_general" in line]
     assert not any("f32[16,64]" in line.split("=")[1].split(" ")[1] for line in shapes
                    if "=" in line), shapes
+
+
+def test_a_dots_remat_policy_saves_the_same_residuals_as_for_tensordot(capsys):
+    """model.remat_policy names like "dots_saveable" still see the projection's matmul."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    def saved(dense):
+        def f(x, w1, w2):
+            return jnp.sum(jnp.tanh(dense(jnp.tanh(dense(x, w1, 1)), w2, 1)))
+        capsys.readouterr()
+        print_saved_residuals(jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable),
+                              jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.ones((16, 8)))
+        # "f32[4,16] output of dot_general from <file>:<line> (f)": shape and origin
+        return [line.split(" from ")[0] for line in capsys.readouterr().out.splitlines()]
+
+    ours = saved(project)
+    assert ours == saved(lambda a, b, n: jnp.tensordot(a, b, n))
+    assert ours.count("f32[4,16] output of dot_general") == 1, ours
+    assert ours.count("f32[4,8] output of dot_general") == 1, ours
