@@ -392,6 +392,13 @@ def fit(stage: Stage, params, opt_state, *, workdir: str,
                     break
             if checkpoints is not None:
                 checkpoints.wait()
+    except (ConfigError, DataError, NonFiniteError):
+        # A stop the user must act on: the checkpoint still being written holds a state
+        # from before the failing step, so it is finished (kept whole) before the error
+        # leaves; the process would otherwise abandon it half-written.
+        if checkpoints is not None:
+            checkpoints.wait()
+        raise
     finally:
         writer.close()
     if preempted:

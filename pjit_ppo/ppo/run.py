@@ -13,7 +13,7 @@ from absl import logging
 from pjit_ppo import (checkpoint, data, flops, loop, memory_analysis,
                       metrics as metrics_lib, param_makers, rewards, sharding)
 from pjit_ppo.config import ConfigError, RunConfig, resume_conflicts
-from pjit_ppo.errors import DataError
+from pjit_ppo.errors import DataError, NonFiniteError
 from pjit_ppo.data import special_ids
 from pjit_ppo.loading import device_memory_limit, lm_config, write_config
 from pjit_ppo.ppo import lora_views, memory_plan
@@ -307,9 +307,10 @@ def train(config: RunConfig, workdir: str) -> Dict[str, float]:
                 checkpointer.wait()
                 logging.warning("preempted at iteration %d, saved checkpoint %d", step, step)
         checkpointer.wait()
-    except (ConfigError, DataError):
-        # The user's error (e.g. a reward function that raised): the checkpoints already
-        # being written are finished, so the latest one stays whole, then the run stops.
+    except (ConfigError, DataError, NonFiniteError):
+        # The user's error (e.g. a reward function that raised) or a diverged iteration:
+        # the checkpoints already being written (of earlier, finite iterations) are
+        # finished, so the latest one stays whole, then the run stops.
         checkpointer.wait()
         raise
     finally:
