@@ -64,6 +64,42 @@ def test_missing_file_and_tokenizer_errors(tmp_path, demo_files):
     text.check_tokenizer(tok, path="T", vocab_size=n + 8, pad_id=n + 2, stop_token=3)
 
 
+def test_plain_tokenizer_loads_as_autotokenizer_would_without_pytorch(demo_files, tmp_path):
+    """A directory with only a `tokenizers` tokenizer is read as PreTrainedTokenizerFast
+    directly: the same class, vocabulary, special tokens and encodings as AutoTokenizer,
+    and a launch that reads text prompts no longer imports PyTorch. A directory with a
+    model config goes through AutoTokenizer."""
+    import subprocess
+    import sys
+
+    import transformers
+    import tiny_text
+    tiny_text.save_tokenizer(str(tmp_path / "tiny"))
+    model_dir = tmp_path / "model"
+    shutil.copytree(demo_files["tok"], model_dir)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert text._plain_tokenizers_directory(demo_files["tok"])
+    assert text._plain_tokenizers_directory(str(tmp_path / "tiny"))
+    assert not text._plain_tokenizers_directory(str(model_dir))
+    sample = ["the dog likes the old cat.", "a happy cat <eos> loves", ""]
+    for path in (demo_files["tok"], str(tmp_path / "tiny"), str(model_dir)):
+        ours, auto = text.load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
+        assert type(ours) is type(auto), path
+        assert ours.get_vocab() == auto.get_vocab() and len(ours) == len(auto)
+        assert ours.special_tokens_map == auto.special_tokens_map
+        assert (ours.pad_token_id, ours.eos_token_id) == (auto.pad_token_id, auto.eos_token_id)
+        for add in (False, True):
+            assert ours(sample, add_special_tokens=add)["input_ids"] == \
+                auto(sample, add_special_tokens=add)["input_ids"]
+    code = ("import sys; from pjit_ppo.data import prompts; "
+            f"t = prompts.load_tokenizer({demo_files['tok']!r}); "
+            "print(len(t), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=runs.ROOT, env=runs.env(), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(len(text.load_tokenizer(demo_files["tok"]))), "False"]
+
+
 def test_tokenize_queries_left_pads_keeps_last_tokens_and_trims(demo_files):
     tok = text.load_tokenizer(demo_files["tok"])
     pad = tok.pad_token_id

@@ -139,10 +139,36 @@ def load_tokenizer(path: str):
         raise DataError(f"{path}: tokenizer directory not found (data.tokenizer_path)")
     import transformers
     try:
+        if _plain_tokenizers_directory(path):
+            return transformers.PreTrainedTokenizerFast.from_pretrained(path)
         return transformers.AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 -- report what transformers could not read
         raise DataError(f"{path}: not a tokenizer directory transformers can load "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+#: The `tokenizer_class` names of a tokenizer that is only its `tokenizer.json` (the class
+#: `tokenizers` users and our demo save; transformers 5 names it TokenizersBackend).
+_PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _plain_tokenizers_directory(path: str) -> bool:
+    """Whether `path` holds a plain `tokenizers` tokenizer and no model config: then
+    AutoTokenizer would pick PreTrainedTokenizerFast (= TokenizersBackend) itself, and
+    naming the class skips AutoConfig, whose import pulls in PyTorch (about 2 s of every
+    launch that reads text). Any other directory goes through AutoTokenizer."""
+    config_path = os.path.join(path, "tokenizer_config.json")
+    if (os.path.exists(os.path.join(path, "config.json"))
+            or not os.path.isfile(os.path.join(path, "tokenizer.json"))
+            or not os.path.isfile(config_path)):
+        return False
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and "auto_map" not in config
+            and config.get("tokenizer_class") in _PLAIN_TOKENIZER_CLASSES)
 
 
 def check_tokenizer(tokenizer, *, path: str, vocab_size: int, pad_id: int,
