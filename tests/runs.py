@@ -63,7 +63,7 @@ def start(script: str, *args, devices: int = 1, log_path=None) -> subprocess.Pop
 #: rather than learning. Runs with the same devices and overrides compile the same
 #: programs whatever their run length (the default LR schedule's length is an input of
 #: the compiled update) and share the session's compilation cache: test_multihost's
-#: one-process reference and test_planning's profiled run (8 devices) are one program.
+#: one-process reference and test_planning's profiled run (4 devices) are one program.
 ONE_EPOCH = ("--config.ppo.noptepochs=1",)
 
 

@@ -11,6 +11,7 @@ on CPU (the CPU client reports no memory stats); they are checked to be those of
 very programs the trainer runs (same figures from the abstract and the real build).
 """
 import dataclasses
+import functools
 import json
 import os
 
@@ -140,7 +141,7 @@ def reward_dir(tmp_path_factory):
     from pjit_ppo.models import ModelConfig, heads, init_params, save_pretrained
     config = tiny_config()
     model_cfg = ModelConfig.from_hf_dict(dict(config.model.random))
-    params = init_params(model_cfg, jax.random.PRNGKey(3))
+    params = jax.jit(functools.partial(init_params, model_cfg))(jax.random.PRNGKey(3))
     path = str(tmp_path_factory.mktemp("reward_model"))
     save_pretrained(path, model_cfg, params)
     head = heads.init_reward_head(model_cfg.d_model, jax.random.PRNGKey(4))
@@ -269,11 +270,11 @@ def test_rollout_micro_batches_equal_one_pass(job_and_plan):
 
 def test_run_logs_the_plan_and_profiles(tmp_path):
     workdir = tmp_path / "run"
-    # One epoch, 2 iterations, 8 devices: test_multihost's one-process run's program (the
+    # One epoch, 2 iterations, 4 devices: test_multihost's one-process run's program (the
     # session's compilation cache).
     proc = runs.run("train_ppo.py", *runs.train_args(workdir, "--config.profile.start=2",
                                                      *runs.ONE_EPOCH, iterations=2, every=2),
-                    devices=8)
+                    devices=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stderr
     assert "memory plan rollout: peak" in log and "memory plan update: peak" in log
