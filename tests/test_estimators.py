@@ -345,9 +345,11 @@ def test_critic_free_rollout_update_and_no_critic(name):
     assert 0 < mask.sum() < mask.size  # the stop token really truncates some rows
     np.testing.assert_array_equal(batch.mask, mask)
     np.testing.assert_allclose(metrics["objective/scores"], scores.mean(), rtol=1e-6)
-    ref = np.asarray(scoring.response_logprobs(trainer.models.policy, frozen["ref"],
-                                               batch.query, batch.query_mask, batch.response,
-                                               cfg.temperature), np.float64)
+    # One compiled program, not one per operation on the 8-device mesh.
+    ref_logprobs = jax.jit(functools.partial(scoring.response_logprobs, trainer.models.policy,
+                                             temperature=cfg.temperature))
+    ref = np.asarray(ref_logprobs(frozen["ref"], batch.query, batch.query_mask,
+                                  batch.response), np.float64)
     kl = np.where(mask, np.asarray(batch.logprobs, np.float64) - ref, 0.0)
     assert np.abs(kl).max() > 1e-4
     np.testing.assert_allclose(metrics["objective/kl"], kl.sum(1).mean(), rtol=1e-4, atol=1e-5)

@@ -54,17 +54,44 @@ PPO_CASES = (
 )
 
 
+@pytest.fixture(scope="module")
+def trained():
+    """case -> the case's run, built once per module (the GRPO case's run also serves the
+    reference-pass test) and two PPO steps taken: a dict of the config, the job, the params
+    and frozen models before the steps (host copies), the state after them and each step's
+    metrics."""
+    runs = {}
+
+    def get(case):
+        name, fields, reward = case
+        if name not in runs:
+            config = _ppo_config(**fields)
+            if reward == "model":
+                config.reward.kind = "model"
+            job = ppo_run.build(config)
+            state = job.state
+            before, frozen_before = _host(state.params), _host(job.frozen)
+            metrics = []
+            for it in range(2):  # adapters away from zero: the policy differs from the base
+                state, m = job.trainer.step(state, job.frozen, *job.prompts(it), it)
+                metrics.append(m)
+            runs[name] = dict(config=config, job=job, before=before,
+                              frozen_before=frozen_before, state=state, metrics=metrics)
+        return runs[name]
+
+    return get
+
+
 @pytest.mark.parametrize("case", PPO_CASES, ids=[c[0] for c in PPO_CASES])
-def test_ppo_update_changes_only_adapter_leaves(case):
+def test_ppo_update_changes_only_adapter_leaves(trained, case):
     _, fields, reward = case
-    config = _ppo_config(**fields)
-    if reward == "model":
-        config.reward.kind = "model"
-    job = ppo_run.build(config)
-    state, models = job.state, job.trainer.models
+    run = trained(case)
+    job, state = run["job"], run["state"]  # after two steps (the tree is the initial one's)
+    models = job.trainer.models
     policy_leaves = _adapter_leaves(state.params["policy"])
     assert policy_leaves and all(p.rsplit("/", 1)[-1] in lora.ADAPTER_NAMES
                                  for p in policy_leaves)
+    assert _adapter_leaves(run["before"]["policy"]) == policy_leaves
     critic = state.params.get("critic")
     if fields.get("critic_lora") is False:  # the whole critic trains, from the base, fp32
         assert models.critic_base is None and models.critic.lora is None
@@ -79,11 +106,10 @@ def test_ppo_update_changes_only_adapter_leaves(case):
     # Optimizer state only for what trains (two Adam moments each, plus counters).
     trained = lora.count(state.params)
     assert 2 * trained <= lora.count(state.opt_state) <= 2 * trained + 8
-    before, frozen_before = _host(state.params), _host(job.frozen)
-    for it in range(2):
-        state, metrics = job.trainer.step(state, job.frozen, *job.prompts(it), it)
+    for metrics in run["metrics"]:
         assert all(np.isfinite(v) for k, v in metrics.items() if k in (
             "ppo/loss/total", "ppo/grad_norm", "objective/kl"))
+    before, frozen_before = run["before"], run["frozen_before"]
     after, frozen_after = _host(state.params), _host(job.frozen)
     for a, b in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(frozen_after)):
         np.testing.assert_array_equal(a, b)  # base, reference and reward untouched
@@ -93,12 +119,9 @@ def test_ppo_update_changes_only_adapter_leaves(case):
     assert jax.tree.structure(before) == jax.tree.structure(after)
 
 
-def test_reference_pass_is_the_base_model_without_adapters():
-    config = _ppo_config(advantage_estimator="grpo", samples_per_prompt=4)
-    job = ppo_run.build(config)
-    state = job.state
-    for it in range(2):  # adapters away from zero: the policy differs from the base
-        state, _ = job.trainer.step(state, job.frozen, *job.prompts(it), it)
+def test_reference_pass_is_the_base_model_without_adapters(trained):
+    run = trained(next(c for c in PPO_CASES if c[0] == "grpo"))  # two steps taken
+    config, job, state = run["config"], run["job"], run["state"]
     batch, _ = job.trainer.rollout(state, job.frozen, *job.prompts(2), 2)
     # The base model, loaded on its own (no adapters anywhere), in the compute dtype.
     mesh = job.trainer.mesh

@@ -72,12 +72,25 @@ def _semantic(metrics):
     return {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/"))}
 
 
-def test_one_device_and_mesh_give_same_metrics():
+#: The mesh of the mesh-invariance test; the determinism and metric-name tests run the
+#: same config on it, so the module compiles that program once (the session's compilation
+#: cache serves the determinism test's second build). The other tests on a mesh use it
+#: too, and share its small programs (sharded initialisation, frozen copies, prompts).
+MESH = dict(fsdp=4, tensor=2)
+
+
+@pytest.fixture(scope="module")
+def mesh_run():
+    """(history, final state) of two iterations of `_cfg()` on the MESH mesh."""
+    return _run(_cfg(), sharding.make_mesh(**MESH))
+
+
+def test_one_device_and_mesh_give_same_metrics(mesh_run):
     cfg = _cfg()
     one = sharding.make_mesh(fsdp=1, devices=jax.devices()[:1])
-    mesh = sharding.make_mesh(fsdp=4, tensor=2)
     h1, s1 = _run(cfg, one)
-    h8, s8 = _run(cfg, mesh)
+    h8, s8 = mesh_run
+    assert len(h1) == len(h8) == 2
     for a, b in zip(h1, h8):
         a, b = _semantic(a), _semantic(b)
         assert a.keys() == b.keys()
@@ -93,8 +106,8 @@ def test_one_device_and_mesh_give_same_metrics():
     np.testing.assert_allclose(p1, p8, rtol=1e-4, atol=1e-5)
 
 
-def test_metrics_named_as_reference():
-    history, _ = _run(_cfg(), sharding.make_mesh(fsdp=-1), iterations=1)
+def test_metrics_named_as_reference(mesh_run):
+    history, _ = mesh_run
     m = history[0]
     expected = {
         "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/scores",
@@ -116,13 +129,9 @@ def test_metrics_named_as_reference():
     assert m["ppo/lr"] == pytest.approx(1e-3)
 
 
-def test_determinism_and_fresh_randomness():
+def test_determinism_and_fresh_randomness(mesh_run):
     cfg = _cfg()
-    mesh = sharding.make_mesh(fsdp=-1)
-    a, _ = _run(cfg, mesh, iterations=2)
-    b, _ = _run(cfg, mesh, iterations=2)
-    for x, y in zip(a, b):
-        assert _semantic(x) == _semantic(y)
+    mesh = sharding.make_mesh(**MESH)
     # Iterations draw fresh sampling keys and fresh epoch permutations.
     k0, u0 = iteration_keys(cfg, 0)
     k1, u1 = iteration_keys(cfg, 1)
@@ -135,8 +144,9 @@ def test_determinism_and_fresh_randomness():
     for p in (p0, p1):
         np.testing.assert_array_equal(np.sort(np.asarray(p), axis=1),
                                       np.tile(np.arange(cfg.batch_size), (cfg.noptepochs, 1)))
-    # Same prompts, different iteration -> different samples.
+    # A second build of the same run (its initial state first samples the rollouts below).
     trainer, state, frozen, prompts = _setup(cfg, mesh)
+    # Same prompts, different iteration -> different samples.
     q, m = prompts(0)
     r0, _ = trainer.rollout(state, frozen, q, m, 0)
     r1, _ = trainer.rollout(state, frozen, q, m, 1)
@@ -146,6 +156,16 @@ def test_determinism_and_fresh_randomness():
     m_same = jnp.broadcast_to(m[:1], m.shape)
     r, _ = trainer.rollout(state, frozen, q_same, m_same, 0)
     assert len({tuple(row) for row in np.asarray(r.response)}) > cfg.batch_size // 2
+    # The second build's two iterations equal the first's, every metric exactly.
+    a, _ = mesh_run
+    b = []
+    for it in range(2):
+        q, m = prompts(it)
+        state, metrics = trainer.step(state, frozen, q, m, it)
+        b.append(metrics)
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert _semantic(x) == _semantic(y)
 
 
 def _np_gae(rewards, values, gamma, lam):
@@ -162,7 +182,7 @@ def test_rollout_rewards_follow_reference_semantics():
     """Scores on the truncated response (penalty without a stop token), KL-penalised
     per-token rewards with the score at the last token, GAE returns, whitened advantages."""
     cfg = _cfg(whiten_rewards=False, gamma=0.9, lam=0.8)
-    mesh = sharding.make_mesh(fsdp=-1)
+    mesh = sharding.make_mesh(**MESH)
     trainer, state, frozen, prompts = _setup(cfg, mesh, reward=(5,))
     q, m = prompts(0)
     state, _ = trainer.step(state, frozen, q, m, 0)  # the policy moves off the reference
@@ -181,8 +201,10 @@ def test_rollout_rewards_follow_reference_semantics():
     np.testing.assert_allclose(metrics["objective/scores"], np.mean(scores), rtol=1e-6)
 
     model = trainer.models.policy
-    ref = np.asarray(scoring.response_logprobs(model, frozen["ref"], q, m, batch.response,
-                                               cfg.temperature), np.float64)
+    # One compiled program, not one per operation on the 8-device mesh.
+    ref_logprobs = jax.jit(functools.partial(scoring.response_logprobs, model,
+                                             temperature=cfg.temperature))
+    ref = np.asarray(ref_logprobs(frozen["ref"], q, m, batch.response), np.float64)
     logprobs = np.asarray(batch.logprobs, np.float64)
     kl = logprobs - ref
     assert np.abs(kl).max() > 1e-4  # the penalty term is really exercised
@@ -217,7 +239,7 @@ def test_ppo_learns_a_token_reward():
 
 def test_logprobs_and_entropy_from_hidden_match_softmax():
     model = ModelConfig.from_hf_dict(TINY)
-    params = init_params(model, jax.random.PRNGKey(0))
+    params = jax.jit(functools.partial(init_params, model))(jax.random.PRNGKey(0))
     hidden = jax.random.normal(jax.random.PRNGKey(1), (3, 5, model.d_model))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (3, 5), 0, VOCAB)
     logp, ent = scoring.logprobs_from_hidden(model, params, hidden, tokens, 0.7,
@@ -232,7 +254,7 @@ def test_logprobs_and_entropy_from_hidden_match_softmax():
 def test_shared_trunk_trains_policy_and_value_head():
     """ppo.shared_trunk: the value head sits on the policy trunk; no separate critic."""
     cfg = _cfg(shared_trunk=True, critic_init="policy", recompute_rollout_logprobs=False)
-    mesh = sharding.make_mesh(fsdp=-1)
+    mesh = sharding.make_mesh(**MESH)
     model = ModelConfig.from_hf_dict(TINY)
     policy = sharding.init_sharded(functools.partial(init_params, model), mesh,
                                    jax.random.PRNGKey(0))

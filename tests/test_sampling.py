@@ -51,8 +51,24 @@ def _same_prompt(batch, seed=1):
     return np.repeat(ids, batch, axis=0), np.repeat(mask, batch, axis=0)
 
 
+#: (config, options) -> the jitted sampler `_gen` made for them: tests that draw again
+#: with the same options (other keys, other prompts of the same shape) reuse its compiled
+#: program instead of tracing it anew.
+_SAMPLERS = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_samplers():
+    yield
+    _SAMPLERS.clear()
+
+
 def _gen(config, params, ids, mask, key=0, **options):
-    fn = jax.jit(lambda p, i, m, k: sampling.generate(config, p, i, m, k, **options))
+    fn_key = (config, tuple(sorted(options.items())))
+    if fn_key not in _SAMPLERS:
+        _SAMPLERS[fn_key] = jax.jit(
+            lambda p, i, m, k: sampling.generate(config, p, i, m, k, **options))
+    fn = _SAMPLERS[fn_key]
     return jax.tree_util.tree_map(np.asarray, fn(params, jnp.asarray(ids), jnp.asarray(mask),
                                                  jax.random.PRNGKey(key)))
 
