@@ -4,11 +4,11 @@
 - the scores a function returns are exactly what training uses (a function logs its
   outputs; the test recomputes objective/scores and the sample table from the log);
   the responses it sees are cut at the stop token; each row gets its own prompt record;
-- kill -9 mid-run and the same command again: the same metrics and sample tables as an
-  uninterrupted run;
 - every way a user's function can fail ends the launch with exit status 2 and one
   `error:` line before anything is compiled (a dry call at launch), and a failure in the
   middle of training leaves the latest checkpoint and every earlier file intact;
+- once the function works again, kill -9 mid-run and the same command again: the same
+  metrics and sample tables as an uninterrupted run;
 - the split rollout (sampling, host, scoring) computes what the single program does;
 - pjit-ppo-evaluate scores held-out samples with the function (and reports each term);
 - the planner plans a run with function terms;
@@ -30,6 +30,8 @@ import runs
 import tiny_text
 
 GRPO = os.path.join(runs.ROOT, "configs", "grpo_demo.py")
+#: The runs through train_ppo.py (`_args`) train one PPO epoch per iteration
+#: (runs.ONE_EPOCH): they check how scores reach training, not learning.
 ITERATIONS = 6
 #: With 8 devices, 64 episodes (16 prompts x 4 samples) and rollout micro-batches of 32,
 #: each device holds 8 rows and each micro-batch 4 of them: the rows of micro-batch c.
@@ -41,6 +43,7 @@ REWARDS_PY = '''
 import json
 import math
 import os
+import time
 
 CALLS = [0]
 
@@ -56,8 +59,12 @@ def _log(prompts, responses, metadata, scores):
 def words(prompts, responses, **metadata):
     """(number of words mod 4) / 4: multiples of 1/4, so every mean is exact in float32.
     FAIL_AT_CALL=k: from the k-th call of the process on, FAIL_MODE "raise" raises for
-    every response of two words or more, "inf" scores the first row inf."""
+    every response of two words or more, "inf" scores the first row inf.
+    SLOW_FROM_CALL=k: from the k-th call on, each call takes a second longer (the scores
+    are the same), so that a kill after an iteration lands before the run ends."""
     CALLS[0] += 1
+    if CALLS[0] >= int(os.environ.get("SLOW_FROM_CALL") or 10**9):
+        time.sleep(1.0)
     scores = [len(r.split()) % 4 / 4 for r in responses]
     _log(prompts, responses, metadata, scores)
     if CALLS[0] >= int(os.environ.get("FAIL_AT_CALL") or 10**9):
@@ -127,7 +134,7 @@ def inputs(tmp_path_factory):
 
 def _args(inputs, workdir, *overrides, iterations=ITERATIONS, function="words"):
     return (f"--config={GRPO}", f"--workdir={workdir}", f"--config.num_iterations={iterations}",
-            "--config.checkpoint.every=2", "--config.measure_peak=false",
+            "--config.checkpoint.every=2", "--config.measure_peak=false", *runs.ONE_EPOCH,
             "--config.tensorboard=false", "--config.reward.kind=function",
             f"--config.reward.function={inputs['rewards']}:{function}",
             f"--config.data.prompts_path={inputs['prompts']}",
@@ -270,40 +277,23 @@ def test_evaluate_scores_held_out_prompts_with_the_function(inputs, reference, t
             assert row["metadata"] == {"answer": record["answer"],
                                        "difficulty": record["difficulty"]}
 
-@pytest.mark.slow
-def test_kill_9_then_the_same_command_continues_exactly(inputs, reference, tmp_path):
-    workdir = tmp_path / "run"
-    args = _args(inputs, workdir)
-    proc = _start(args, tmp_path / "1.log", REWARD_LOG=str(tmp_path / "calls.jsonl"))
-    runs.wait_for(lambda: runs.metric_lines(workdir) >= 3, proc=proc)
-    runs.kill(proc)
-    proc = _run(args, REWARD_LOG=str(tmp_path / "calls.jsonl"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # 2, or 4 when the kill landed after that checkpoint was committed.
-    start = int(re.search(r"resuming from checkpoint (\d+) ", proc.stderr).group(1))
-    assert start in (2, 4), start
-    runs.assert_same_metrics(reference["workdir"] / "metrics.jsonl", workdir / "metrics.jsonl")
-    # The sample tables, with their prompt metadata, are those of the uninterrupted run.
-    assert (workdir / "samples.jsonl").read_text() == (
-        reference["workdir"] / "samples.jsonl").read_text()
-    # The resumed process scored the remaining iterations as the uninterrupted run did.
-    n = 2 * (ITERATIONS - start)
-    assert _calls(tmp_path / "calls.jsonl")[-n:] == reference["calls"][-n:]
-
-
 # ------------------------------------------------------------------ failures
 @pytest.mark.slow
-def test_a_failure_during_training_keeps_the_run(inputs, reference, tmp_path):
+def test_a_failure_during_training_keeps_the_run_and_kill_9_continues_exactly(
+        inputs, reference, tmp_path):
     """The function fails in iteration 3: exit 2, one line naming the function, the first
     failing row and its own message (first line only); checkpoint 2 and everything
-    written before stay intact, a rerun that fails again changes nothing, and once the
-    function works the run finishes exactly like the uninterrupted one."""
+    written before stay intact, and a rerun that fails again changes nothing. Once the
+    function works, the same command trains on; kill -9 mid-run and the same command
+    again finish exactly like the uninterrupted run: the same metrics and sample tables
+    (with their prompt metadata), the remaining iterations scored as that run scored
+    them."""
     workdir = tmp_path / "run"
     workdir.mkdir()  # an existing work directory (a fresh one is covered by the CLI)
+    args = _args(inputs, workdir)
     log = tmp_path / "calls.jsonl"
     # Calls: 1 = the launch's dry call, 2-5 = iterations 1-2, 6 = iteration 3's first.
-    proc = _run(_args(inputs, workdir), REWARD_LOG=str(log), FAIL_AT_CALL="6",
-                FAIL_MODE="raise")
+    proc = _run(args, REWARD_LOG=str(log), FAIL_AT_CALL="6", FAIL_MODE="raise")
     line = _one_error_line(proc)
     # The failing call (its rows were then tried one by one to find the first failing).
     failed = _calls(log)[5]["responses"]
@@ -322,16 +312,35 @@ def test_a_failure_during_training_keeps_the_run(inputs, reference, tmp_path):
 
     # The same launch with a function that now returns inf in iteration 3 (the resumed
     # process's second call): stopped the same way; nothing written before changes.
-    proc = _run(_args(inputs, workdir), FAIL_AT_CALL="2", FAIL_MODE="inf")
+    proc = _run(args, FAIL_AT_CALL="2", FAIL_MODE="inf")
     line = _one_error_line(proc)
     assert "returned inf as the score of row 0 of iteration 3" in line, line
     assert "resuming from checkpoint 2" in proc.stderr
     assert _snapshot(workdir) == before
     assert (workdir / "logs" / "process_0.log").read_bytes().startswith(logs_before)
 
-    proc = _run(_args(inputs, workdir))
+    # The function works again: the same command resumes from checkpoint 2 and trains
+    # on, until kill -9 after iteration 3's line.
+    calls = tmp_path / "working_calls.jsonl"
+    # Calls of this process: 1 = the dry call, 2-3 = iteration 3, 4 on = iteration 4 and
+    # later, slowed so that the kill after iteration 3 comes before the run's end.
+    proc = _start(args, tmp_path / "3.log", REWARD_LOG=str(calls), SLOW_FROM_CALL="4")
+    runs.wait_for(lambda: runs.metric_lines(workdir) >= 3, proc=proc)
+    runs.kill(proc)
+    assert "resuming from checkpoint 2 " in (tmp_path / "3.log").read_text()
+    # The same command again finishes exactly like the uninterrupted run.
+    proc = _run(args, REWARD_LOG=str(calls))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # 2, or 4 when the kill landed after that checkpoint was committed.
+    start = int(re.search(r"resuming from checkpoint (\d+) ", proc.stderr).group(1))
+    assert start in (2, 4), start
     runs.assert_same_metrics(reference["workdir"] / "metrics.jsonl", workdir / "metrics.jsonl")
+    # The sample tables, with their prompt metadata, are those of the uninterrupted run.
+    assert (workdir / "samples.jsonl").read_text() == (
+        reference["workdir"] / "samples.jsonl").read_text()
+    # The resumed process scored the remaining iterations as the uninterrupted run did.
+    n = 2 * (ITERATIONS - start)
+    assert _calls(calls)[-n:] == reference["calls"][-n:]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,19 +103,27 @@ def test_kill_9_then_the_same_command_ends_as_the_uninterrupted_run(setup, tmp_p
 
 
 def test_resume_on_other_base_weights_is_refused_in_one_line(setup, tmp_path):
-    _, base, _ = setup
-    shutil.copytree(base, tmp_path / "base")
-    recipe = _recipe(tmp_path / "recipe.py", tmp_path / "base")
+    """A run's base model replaced by other weights at the same path: the same command
+    (a longer run) is refused in one line naming the fingerprint, and nothing in the
+    work directory changes. The run is a copy of the uninterrupted one; the module's base
+    directory gets other weights for the one refused launch and its own back after."""
+    recipe, base, reference = setup
     workdir = tmp_path / "run"
-    proc = runs.run("train_ppo.py", *_args(recipe, workdir, 2))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tiny_hf.save_model("llama", str(tmp_path / "base"), seed=1)  # same path, other weights
+    shutil.copytree(reference, workdir)
+    shutil.copytree(base, tmp_path / "base_backup")
     before = {p: open(p, "rb").read() for p in map(str, workdir.rglob("*")) if os.path.isfile(p)}
-    proc = runs.run("train_ppo.py", *_args(recipe, workdir, 4))
+    try:
+        shutil.rmtree(base)
+        tiny_hf.save_model("llama", str(base), seed=1)  # same path, other weights
+        proc = runs.run("train_ppo.py", *_args(recipe, workdir, ITERATIONS + 2))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.copytree(tmp_path / "base_backup", base)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "cannot resume from checkpoint 2" in errors[0] and "fingerprint" in errors[0]
+    assert f"cannot resume from checkpoint {ITERATIONS}" in errors[0] \
+        and "fingerprint" in errors[0]
     after = {p: open(p, "rb").read() for p in map(str, workdir.rglob("*")) if os.path.isfile(p)
              and not p.startswith(str(workdir / "logs"))}
     assert {p: v for p, v in before.items() if not p.startswith(str(workdir / "logs"))} == after

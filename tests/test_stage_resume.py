@@ -6,7 +6,12 @@ processes, real signals, real files.
 Each interrupted run is compared with one uninterrupted run of the same command: apart
 from timings its metrics.jsonl, its last checkpoint's arrays and its output model files
 must be equal bit for bit (CPU).
+
+The recipes save a checkpoint every EVERY steps (and keep 2): enough mid-run checkpoints
+for a SIGTERM, a kill -9 after a later one and a resume before the end, while a save
+costs more than a step of these tiny models.
 """
+import functools
 import glob
 import os
 import re
@@ -24,6 +29,9 @@ from test_reward_learning import write_labels
 
 pytestmark = pytest.mark.slow
 
+#: Steps between checkpoints of the recipes (checkpoint.every; keep=2).
+EVERY = 6
+
 SFT_RECIPE = """
 from pjit_ppo.config import CheckpointOptions, ModelOptions, SFTConfig
 
@@ -33,7 +41,7 @@ def get_config(arg=""):
                      tokenizer_path={tok!r}, seq_length=12, batch_size=16,
                      gradient_accumulation_steps=2, max_steps=30, lr=3e-3, warmup_steps=3,
                      log_every=5, eval_every=8, eval_fraction=0.1,
-                     checkpoint=CheckpointOptions(every=2, keep=2))
+                     checkpoint=CheckpointOptions(every={every}, keep=2))
 """
 
 #: SFT with LoRA adapters (dropout on: every step draws its own keys, also after a resume).
@@ -51,7 +59,7 @@ def get_config(arg=""):
         query_length=6, response_length=6, pad_token_id=1, truncate_token=None, batch_size=8,
         gradient_accumulation_steps=2, lr=1e-3, num_epochs=2, norm_samples=16,
         norm_batch_size=8, log_every=5, eval_every=8,
-        checkpoint=CheckpointOptions(every=2, keep=2))
+        checkpoint=CheckpointOptions(every={every}, keep=2))
 """
 
 #: stage -> (entry point, output directory, its files compared byte for byte, total steps)
@@ -66,18 +74,23 @@ STAGES = {
 
 @pytest.fixture(scope="module")
 def recipes(tmp_path_factory):
-    """stage -> recipe path (tiny model, tiny data, a checkpoint every 2 steps)."""
+    """stage -> recipe path (tiny model, tiny data, a checkpoint every EVERY steps)."""
     d = tmp_path_factory.mktemp("stage_data")
     tiny_text.save_tokenizer(str(d / "tok"))
     (d / "corpus.txt").write_text("\n".join(tiny_text.sentences(300)) + "\n")
     labels = write_labels(d / "labels.jsonl", 100, 0)
-    fields = dict(random=tiny_text.model_random(), tok=str(d / "tok"))
+    fields = dict(random=tiny_text.model_random(), tok=str(d / "tok"), every=EVERY)
     (d / "sft.py").write_text(SFT_RECIPE.format(corpus=str(d / "corpus.txt"), **fields))
     (d / "reward.py").write_text(REWARD_RECIPE.format(labels=labels, **fields))
     (d / "sft_lora.py").write_text(SFT_LORA_RECIPE.format(corpus=str(d / "corpus.txt"),
                                                           **fields))
     return {"sft": str(d / "sft.py"), "reward": str(d / "reward.py"),
             "sft_lora": str(d / "sft_lora.py"), "corpus": d / "corpus.txt"}
+
+
+def _last_before(total):
+    """The last checkpoint step of a run of `total` steps before its final one."""
+    return (total - 1) // EVERY * EVERY
 
 
 def _args(recipes, stage, workdir, *overrides):
@@ -92,8 +105,9 @@ def references(recipes, tmp_path_factory):
         workdir = tmp_path_factory.mktemp(f"uninterrupted_{stage}")
         proc = runs.run(script, *_args(recipes, stage, workdir))
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert sorted(os.listdir(workdir / "checkpoints"), key=int) == [str(total - 2),
-                                                                        str(total)]  # keep=2
+        # keep=2: the last mid-run checkpoint and the final one.
+        assert sorted(os.listdir(workdir / "checkpoints"), key=int) == [
+            str(_last_before(total)), str(total)]
         out[stage] = workdir
     return out
 
@@ -109,11 +123,17 @@ def _arrays(workdir, step):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _reference_arrays(reference, step):
+    """`_arrays` of an uninterrupted run (never changed once made), read once."""
+    return _arrays(reference, step)
+
+
 def _assert_same_run(stage, reference, workdir):
     """metrics.jsonl (timings aside), the last checkpoint and the output files equal."""
     _, output, files, total = STAGES[stage]
     runs.assert_same_metrics(reference / "metrics.jsonl", workdir / "metrics.jsonl")
-    a, b = _arrays(reference, total), _arrays(workdir, total)
+    a, b = _reference_arrays(reference, total), _arrays(workdir, total)
     assert a.keys() == b.keys() and len(a) > 10
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
@@ -228,7 +248,7 @@ def test_reward_normalisation_is_in_every_checkpoint(references):
     lines = runs.strict_lines(workdir / "metrics.jsonl")
     before = next(m for m in lines if "normalization/std_before" in m)
     trained = next(m for m in lines if "normalization/std_trained" in m)
-    head = {k.split("'")[-2]: v for k, v in _arrays(workdir, 20).items()
+    head = {k.split("'")[-2]: v for k, v in _arrays(workdir, _last_before(22)).items()
             if k.startswith("params['reward_head']")}
     std, mean = np.float32(before["normalization/std_before"]), before[
         "normalization/mean_before"]
@@ -255,7 +275,8 @@ def test_diverging_run_stops_with_one_line_naming_quantity_and_step(recipes, tmp
     proc = runs.run("train_sft.py", *_args(recipes, "sft", workdir, "--config.lr=1.0",
                                            "--config.max_grad_norm=1e30",
                                            "--config.warmup_steps=0",
-                                           "--config.model.compute_dtype=float16"))
+                                           "--config.model.compute_dtype=float16",
+                                           "--config.checkpoint.every=2"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
