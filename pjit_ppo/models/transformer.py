@@ -541,6 +541,23 @@ def _transformed(config: ModelConfig):
     return hk.without_apply_rng(hk.transform(forward))
 
 
+@functools.lru_cache(maxsize=None)
+def _full_forward(config: ModelConfig):
+    """The cache-free forward as one jitted function of (params, ids, mask, positions).
+
+    Inside a traced program (a PPO phase scores the same batch with the policy, the
+    reference and the critic), calls with the same parameter structure and shapes reuse
+    one trace and one lowered function instead of tracing the model again each time;
+    XLA inlines the call, so the compiled program is the same.
+    """
+    def apply(params, input_ids, attention_mask, positions, with_head, output_slice):
+        return _transformed(config).apply(params, input_ids, attention_mask, positions,
+                                          None, 0, attention_mask.astype(bool), with_head,
+                                          output_slice)
+
+    return jax.jit(apply, static_argnames=("with_head", "output_slice"))
+
+
 # ----------------------------------------------------------------- public API
 def init_params(config: ModelConfig, key: jax.Array) -> hk.Params:
     """Random LM parameters (normal(0.02) weights, zero biases, unit norm scales), fp32."""
@@ -604,6 +621,9 @@ def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
         raise ValueError("forward with a cache needs cache_mask [batch, cache_len]")
     else:
         key_mask = cache_mask
+    if cache is None:
+        return _full_forward(config)(params, input_ids, attention_mask, positions,
+                                     with_head=with_head, output_slice=output_slice)
     return _transformed(config).apply(params, input_ids, attention_mask, positions, cache,
                                       cache_index, key_mask.astype(bool), with_head,
                                       output_slice)
