@@ -481,10 +481,12 @@ def test_the_split_rollout_computes_what_the_single_program_computes(lora_rank):
     split.host_reward = host_reward
     assert split.host_columns == 1 and whole.host_columns == 0
     query, mask = job.prompts(0)
-    for trainer in (whole, split):  # the rollout programs alone (the update is not needed)
-        trainer._rollout = trainer.lower(state, job.frozen, query, mask)["rollout"].compile()
     a, ma = whole.rollout(state, job.frozen, query, mask, 0)
     b, mb = split.rollout(state, job.frozen, query, mask, 0)
+    # The first rollout compiles the rollout programs alone (the update is not needed).
+    assert set(whole.compiled) == set(split.compiled) == {"rollout"}
+    with pytest.raises(ValueError, match="choose one or more of"):
+        whole.lower(state, job.frozen, query, mask, phases=("sample",))
     if lora_rank:  # the adapters are read: the policy is not the reference
         assert float(np.abs(np.asarray(a.logprobs - a.ref_logprobs)).max()) > 1e-3
     # Micro-batch c: the c-th 2 of each device's 4 rows.
@@ -507,9 +509,9 @@ def test_the_split_rollout_computes_what_the_single_program_computes(lora_rank):
     # The planner reads the split rollout as one phase: the larger of its two programs.
     def fields(m):
         return (m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes)
-    assert fields(split._rollout.memory_analysis()) in (
-        fields(split._rollout.sample.memory_analysis()),
-        fields(split._rollout.score.memory_analysis()))
+    programs = split.compiled["rollout"]
+    assert fields(programs.memory_analysis()) in (fields(programs.sample.memory_analysis()),
+                                                  fields(programs.score.memory_analysis()))
 
 
 def test_weighted_terms_and_their_metrics():

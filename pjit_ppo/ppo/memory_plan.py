@@ -19,10 +19,8 @@ from pjit_ppo import sharding
 from pjit_ppo.memory_analysis import device_bytes, phase_peak, xla_figures
 from pjit_ppo.models import ModelConfig, lora
 from pjit_ppo.ppo import lora_views
-from pjit_ppo.ppo.trainer import PPOTrainer
+from pjit_ppo.ppo.trainer import PHASES, PPOTrainer
 from pjit_ppo.ppo.types import PPOModels, TrainState
-
-PHASES = ("rollout", "update")
 
 
 def rollout_arguments(state: TrainState, frozen, query, query_mask):
@@ -174,8 +172,10 @@ def trainer_plan(trainer: PPOTrainer, state: TrainState, frozen,
                  device_memory: Optional[int] = None) -> Dict[str, Any]:
     """The plan of a trainer whose phases are compiled (`trainer.compile`): reuses the
     compiled programs, compiles nothing. state / frozen: arrays or abstract values."""
-    if trainer.compiled is None:
-        raise ValueError("trainer_plan needs trainer.compile(...) first")
+    missing = [p for p in PHASES if p not in (trainer.compiled or {})]
+    if missing:
+        raise ValueError(f"trainer_plan needs the {' and '.join(missing)} phase compiled: "
+                         f"call trainer.compile(...) first")
     breakdown = analytic_breakdown(trainer, state, frozen)
     phases = {p: phase_report(p, trainer.compiled[p], state, frozen, breakdown,
                               trainer.models)

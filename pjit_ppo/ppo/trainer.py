@@ -18,7 +18,7 @@ import copy
 import functools
 import math
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,18 @@ def make_ppo_optimizer(cfg: PPOConfig, num_updates: int) -> optax.GradientTransf
                           anneal_lr=cfg.anneal_lr, kind=cfg.optimizer, eps=cfg.eps,
                           max_grad_norm=cfg.max_grad_norm,
                           steps_per_update=cfg.noptepochs * cfg.nminibatches)
+
+
+#: The compiled programs of a PPO iteration, in the order they run.
+PHASES = ("rollout", "update")
+
+
+def _check_phases(phases: Sequence[str]) -> Tuple[str, ...]:
+    phases = tuple(phases)
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown or not phases:
+        raise ValueError(f"phases {phases!r}: choose one or more of {PHASES}")
+    return phases
 
 
 def iteration_keys(cfg: PPOConfig, iteration: int) -> Tuple[jax.Array, jax.Array]:
@@ -147,8 +159,7 @@ class PPOTrainer:
         self._run_length_input = optimizer is None
         self.flops = flops_lib.ppo_phase_flops(cfg, models, reward_flops)
         self.peak_flops = peak_flops
-        self._rollout = None
-        self._update = None
+        self._programs: Dict[str, Any] = {phase: None for phase in PHASES}
         self.compile_seconds: Optional[float] = None
         self._compile_reported = False
         #: Sample tables: every `sample_every` iterations (and the first) the first
@@ -180,39 +191,53 @@ class PPOTrainer:
                           make.put(lambda: jnp.zeros((), jnp.int32), rep))
 
     # ------------------------------------------------------------ compiled phases
-    def compile(self, state: TrainState, frozen, query: jax.Array, query_mask: jax.Array
-                ) -> float:
-        """Compiles both phases ahead of time for these shapes and shardings.
+    def compile(self, state: TrainState, frozen, query: jax.Array, query_mask: jax.Array,
+                phases: Sequence[str] = PHASES) -> float:
+        """Compiles `phases` ("rollout", "update") ahead of time for these shapes and
+        shardings; a phase compiled before is kept.
 
         The arguments may be arrays or jax.ShapeDtypeStructs with shardings (nothing
-        is allocated). Returns the seconds it took (also kept in `compile_seconds`).
-        Called by the first `step` if not called before; `compiled` holds the results.
+        is allocated). Returns the seconds it took (added to `compile_seconds`). The
+        first `step` compiles what is missing; the first `rollout` compiles the rollout
+        alone. `compiled` holds the results.
         """
         t0 = time.perf_counter()
-        lowered = self.lower(state, frozen, query, query_mask)
-        self._rollout = lowered["rollout"].compile()
-        self._update = lowered["update"].compile()
-        self.compile_seconds = time.perf_counter() - t0
+        missing = tuple(p for p in _check_phases(phases) if self._programs[p] is None)
+        if missing:
+            lowered = self.lower(state, frozen, query, query_mask, phases=missing)
+            for phase in missing:
+                self._programs[phase] = lowered[phase].compile()
+        seconds = time.perf_counter() - t0
+        self.compile_seconds = (self.compile_seconds or 0.0) + seconds
         # Processes finish compiling at different times; CPU collectives (gloo) give up
         # on a peer more than 30 s late, so all processes start the first step together.
         distributed.barrier("pjit_ppo_compiled")
-        return self.compile_seconds
+        return seconds
+
+    @property
+    def _rollout(self):
+        return self._programs["rollout"]
+
+    @property
+    def _update(self):
+        return self._programs["update"]
 
     @property
     def compiled(self) -> Optional[Dict[str, jax.stages.Compiled]]:
-        """{"rollout", "update"} compiled programs once `compile` ran, else None."""
-        if self._rollout is None:
-            return None
-        return {"rollout": self._rollout, "update": self._update}
+        """{phase: compiled program} of the phases `compile` compiled so far, else None."""
+        done = {p: c for p, c in self._programs.items() if c is not None}
+        return done or None
 
-    def lower(self, state: TrainState, frozen, query: jax.Array, query_mask: jax.Array
-              ) -> Dict[str, jax.stages.Lowered]:
-        """Both phases lowered (not compiled) for these shapes and shardings.
+    def lower(self, state: TrainState, frozen, query: jax.Array, query_mask: jax.Array,
+              phases: Sequence[str] = PHASES) -> Dict[str, jax.stages.Lowered]:
+        """The phases asked for ("rollout", "update"), lowered (not compiled) for these
+        shapes and shardings.
 
         state, frozen: arrays or jax.ShapeDtypeStructs with shardings; query int32
         [P, Q], query_mask bool [P, Q] likewise (P = ppo.prompts_per_iteration).
-        Returns {"rollout": Lowered, "update": Lowered}; nothing is allocated.
+        Returns {phase: Lowered} for each of `phases`; nothing is allocated.
         """
+        phases = _check_phases(phases)
         mesh, cfg = self.mesh, self.cfg
         rep = sharding.replicated(mesh)
         batch_sh = sharding.batch_sharding(mesh, 2)
@@ -246,13 +271,15 @@ class PPOTrainer:
                                         sharding=batch_sh)
             rollout_args = (state.params, frozen, state.kl_coef, query, query_mask, sampled,
                             host)
-            rollout_lowered = RolloutPrograms(sample_jit.lower(*sample_args),
-                                              rollout_jit.lower(*rollout_args))
+            out = {} if "rollout" not in phases else {"rollout": RolloutPrograms(
+                sample_jit.lower(*sample_args), rollout_jit.lower(*rollout_args))}
         else:
             rollout_jit = jax.jit(functools.partial(rollout, cfg, self.models, mesh=mesh),
                                   out_shardings=(batch_out, rep))
             rollout_args = (state.params, frozen, state.kl_coef, query, query_mask, key)
-            rollout_lowered = rollout_jit.lower(*rollout_args)
+            out = {} if "rollout" not in phases else {"rollout": rollout_jit.lower(*rollout_args)}
+        if "update" not in phases:
+            return out
 
         def update_phase(state, batch, kl, key, num_updates, bases):
             # The LR schedule's length comes in as an int32 scalar: runs that differ only
@@ -269,10 +296,10 @@ class PPOTrainer:
             batch_shapes._replace(scores=None))
         kl_abstract = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
         length_abstract = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-        return {"rollout": rollout_lowered,
-                "update": update_jit.lower(state, batch_abstract, kl_abstract, key,
-                                           length_abstract,
-                                           lora_views.update_frozen(self.models, frozen))}
+        out["update"] = update_jit.lower(state, batch_abstract, kl_abstract, key,
+                                         length_abstract,
+                                         lora_views.update_frozen(self.models, frozen))
+        return out
 
     def _policy_base(self, frozen):
         """The frozen base of LoRA policy adapters (frozen["ref"]), else None."""
@@ -292,9 +319,10 @@ class PPOTrainer:
         return jax.device_put(query, batch_sh), jax.device_put(query_mask, batch_sh)
 
     def rollout(self, state: TrainState, frozen, query, query_mask, iteration: int):
-        """The rollout phase alone (compiled): (RolloutBatch, metrics on device)."""
+        """The rollout phase alone (compiled): (RolloutBatch, metrics on device). The first
+        call compiles the rollout (not the update) unless `compile` did."""
         if self._rollout is None:
-            self.compile(state, frozen, query, query_mask)
+            self.compile(state, frozen, query, query_mask, phases=("rollout",))
         sample_key, _ = iteration_keys(self.cfg, iteration)
         query, query_mask = self._prompts(query, query_mask)
         if not self.host_columns:
@@ -336,7 +364,7 @@ class PPOTrainer:
         The first call compiles (unless `compile` was called); the first step after the
         compile (its own or an earlier `compile`) adds `time/compile_s`.
         """
-        if self._rollout is None:
+        if self._rollout is None or self._update is None:
             self.compile(state, frozen, query, query_mask)
         _, update_key = iteration_keys(self.cfg, iteration)
         t0 = time.perf_counter()
