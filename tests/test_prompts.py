@@ -65,24 +65,29 @@ def test_missing_file_and_tokenizer_errors(tmp_path, demo_files):
 
 
 def test_plain_tokenizer_loads_as_autotokenizer_would_without_pytorch(demo_files, tmp_path):
-    """A directory with only a `tokenizers` tokenizer is read as PreTrainedTokenizerFast
-    directly: the same class, vocabulary, special tokens and encodings as AutoTokenizer,
-    and a launch that reads text prompts no longer imports PyTorch. A directory with a
-    model config goes through AutoTokenizer."""
+    """A directory with only a `tokenizers` tokenizer, or one beside the config of a model
+    of the four families, is read as PreTrainedTokenizerFast directly: the same class,
+    vocabulary, special tokens and encodings as AutoTokenizer, and a launch that reads
+    text prompts no longer imports PyTorch. A directory with another model type's config
+    goes through AutoTokenizer."""
     import subprocess
     import sys
 
     import transformers
     import tiny_text
     tiny_text.save_tokenizer(str(tmp_path / "tiny"))
-    model_dir = tmp_path / "model"
-    shutil.copytree(demo_files["tok"], model_dir)
-    (model_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert text._plain_tokenizers_directory(demo_files["tok"])
     assert text._plain_tokenizers_directory(str(tmp_path / "tiny"))
-    assert not text._plain_tokenizers_directory(str(model_dir))
+    paths = [demo_files["tok"], str(tmp_path / "tiny")]
+    for model_type, plain in (("gpt2", True), ("gptj", True), ("gpt_neox", True),
+                              ("llama", True), ("qwen2", False), ("bert", False)):
+        model_dir = tmp_path / model_type
+        shutil.copytree(demo_files["tok"], model_dir)
+        (model_dir / "config.json").write_text(json.dumps({"model_type": model_type}))
+        assert text._plain_tokenizers_directory(str(model_dir)) == plain, model_type
+        paths.append(str(model_dir))
     sample = ["the dog likes the old cat.", "a happy cat <eos> loves", ""]
-    for path in (demo_files["tok"], str(tmp_path / "tiny"), str(model_dir)):
+    for path in paths:
         ours, auto = text.load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
         assert type(ours) is type(auto), path
         assert ours.get_vocab() == auto.get_vocab() and len(ours) == len(auto)

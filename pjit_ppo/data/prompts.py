@@ -150,23 +150,37 @@ def load_tokenizer(path: str):
 #: The `tokenizer_class` names of a tokenizer that is only its `tokenizer.json` (the class
 #: `tokenizers` users and our demo save; transformers 5 names it TokenizersBackend).
 _PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+#: Model types (config.json `model_type`, the families pjit_ppo reads) for which
+#: AutoTokenizer keeps a plain tokenizer's own class: transformers 5 maps them to no
+#: tokenizer of their own (llama) or to one it replaces by the declared TokenizersBackend
+#: (gpt2, gptj, gpt_neox). tests/test_prompts.py checks this against AutoTokenizer.
+_PLAIN_TOKENIZER_MODEL_TYPES = ("gpt2", "gptj", "gpt_neox", "llama")
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _plain_tokenizers_directory(path: str) -> bool:
-    """Whether `path` holds a plain `tokenizers` tokenizer and no model config: then
-    AutoTokenizer would pick PreTrainedTokenizerFast (= TokenizersBackend) itself, and
-    naming the class skips AutoConfig, whose import pulls in PyTorch (about 2 s of every
-    launch that reads text). Any other directory goes through AutoTokenizer."""
-    config_path = os.path.join(path, "tokenizer_config.json")
-    if (os.path.exists(os.path.join(path, "config.json"))
-            or not os.path.isfile(os.path.join(path, "tokenizer.json"))
-            or not os.path.isfile(config_path)):
+    """Whether `path` holds a plain `tokenizers` tokenizer, alone or beside the config of
+    a model of a family pjit_ppo reads: then AutoTokenizer would pick
+    PreTrainedTokenizerFast (= TokenizersBackend) itself, and naming the class skips
+    AutoConfig, whose import pulls in PyTorch (2-4 s of every launch that reads text).
+    Any other directory goes through AutoTokenizer."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return False
-    try:
-        with open(config_path) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return False
+    model_config_path = os.path.join(path, "config.json")
+    if os.path.exists(model_config_path):
+        model_config = _read_json(model_config_path)
+        if (not isinstance(model_config, dict)
+                or model_config.get("model_type") not in _PLAIN_TOKENIZER_MODEL_TYPES
+                or "auto_map" in model_config or "tokenizer_class" in model_config):
+            return False
+    config = _read_json(os.path.join(path, "tokenizer_config.json"))
     return (isinstance(config, dict) and "auto_map" not in config
             and config.get("tokenizer_class") in _PLAIN_TOKENIZER_CLASSES)
 
