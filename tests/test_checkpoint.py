@@ -70,10 +70,12 @@ def test_sigkill_or_sigterm_at_any_moment_loses_at_most_the_work_since_the_last_
     args = _train_args(workdir)
     # 1. Killed while compiling: nothing saved, the next start begins afresh.
     proc = runs.start("train_ppo.py", *args, log_path=tmp_path / "1.log")
-    runs.wait_for(lambda: os.path.exists(workdir / "config.json"), proc=proc)
+    # (Polls every 50 ms where the moment to hit lasts seconds; every 5 ms for the save.)
+    runs.wait_for(lambda: os.path.exists(workdir / "config.json"), proc=proc, poll=0.05)
     runs.kill(proc)
     # 2. Killed while the first checkpoint is being written.
     proc = runs.start("train_ppo.py", *args, log_path=tmp_path / "2.log")
+    runs.wait_for(lambda: runs.metric_lines(workdir) >= 2, proc=proc, poll=0.05)
     runs.wait_for(lambda: glob.glob(str(workdir / "checkpoints" / "*.orbax-checkpoint-tmp*")),
                   proc=proc)
     runs.kill(proc)
@@ -83,7 +85,8 @@ def test_sigkill_or_sigterm_at_any_moment_loses_at_most_the_work_since_the_last_
     proc = runs.start("train_ppo.py", *args, log_path=tmp_path / "3.log")
     # (Its own 4th line: the killed start may have written a 4th one before this one
     # set the lines after its start aside.)
-    runs.wait_for(lambda: "iter 4/12 " in (tmp_path / "3.log").read_text(), proc=proc)
+    runs.wait_for(lambda: "iter 4/12 " in (tmp_path / "3.log").read_text(), proc=proc,
+                  poll=0.05)
     assert runs.kill(proc, signal.SIGTERM) == 0
     log3 = (tmp_path / "3.log").read_text()
     assert f"ignoring incomplete checkpoint {partial[0]}" in log3
@@ -94,7 +97,7 @@ def test_sigkill_or_sigterm_at_any_moment_loses_at_most_the_work_since_the_last_
     # 4. The same command continues from there; killed between two checkpoints, after
     # the third one.
     proc = runs.start("train_ppo.py", *args, log_path=tmp_path / "4.log")
-    runs.wait_for(lambda: runs.metric_lines(workdir) >= 10, proc=proc)
+    runs.wait_for(lambda: runs.metric_lines(workdir) >= 10, proc=proc, poll=0.05)
     runs.kill(proc)
     assert f"resuming from checkpoint {stopped} " in (tmp_path / "4.log").read_text()
     # 5. The same command finishes the run as if nothing had happened.
@@ -223,60 +226,68 @@ def test_named_items_round_trip_and_empty_items_are_not_written(tmp_path):
 
 
 RESTORE = """
-import importlib.util, sys
+import functools, importlib.util, sys
 import jax, numpy as np
-from pjit_ppo import checkpoint
+from pjit_ppo import checkpoint, sharding
 from pjit_ppo.ppo import run, state_io
-workdir, out, fsdp, tensor, recipe = sys.argv[1:6]
+workdir, out, step, recipe = sys.argv[1:5]
 spec = importlib.util.spec_from_file_location("recipe", recipe)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-config = module.get_config()
-config.mesh.fsdp, config.mesh.tensor, config.measure_peak = int(fsdp), int(tensor), False
-state = run.build(config).state
-target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      state)
-restored = state_io.from_items(checkpoint.RunCheckpointer(workdir, read_only=True).restore(
-    3, state_io.to_items(target)))
-w = restored.params["policy"]["transformer/layers/attn/q"]["w"]
-assert w.sharding == target.params["policy"]["transformer/layers/attn/q"]["w"].sharding
-np.savez(out, **{jax.tree_util.keystr(p): np.asarray(x)
-                 for p, x in jax.tree_util.tree_leaves_with_path(restored)})
-print("restored onto", len(w.sharding.device_set), "devices:", w.sharding.spec)
+make_mesh = sharding.make_mesh
+for devices, fsdp, tensor in ((4, 2, 2), (2, 1, 2), (1, 1, 1)):
+    # The run's own layout on the first `devices` devices of this process: what a
+    # process with that many devices builds.
+    sharding.make_mesh = functools.partial(make_mesh, devices=jax.devices()[:devices])
+    config = module.get_config()
+    config.mesh.fsdp, config.mesh.tensor, config.measure_peak = fsdp, tensor, False
+    state = run.build(config).state
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    restored = state_io.from_items(checkpoint.RunCheckpointer(workdir, read_only=True).restore(
+        int(step), state_io.to_items(target)))
+    w = restored.params["policy"]["transformer/layers/attn/q"]["w"]
+    assert w.sharding == target.params["policy"]["transformer/layers/attn/q"]["w"].sharding
+    np.savez(f"{out}_{devices}.npz", **{jax.tree_util.keystr(p): np.asarray(x)
+                                         for p, x in jax.tree_util.tree_leaves_with_path(restored)})
+    print("restored onto", len(w.sharding.device_set), "devices:", w.sharding.spec, flush=True)
 """
 
 
 def test_restore_onto_another_mesh(tmp_path):
     """Saved on 4 devices (fsdp 2 x tensor 2); restored on 4, 2 (fsdp 1 x tensor 2) and 1
-    devices with abstract targets in each process's own layout: every array equal. Then
-    the run resumes on one device with more iterations (mesh and num_iterations may change
-    on resume). 4 devices, not 8: on a 2-CPU test machine each fake device more makes
-    every step dearer, and the 2-device restore still splits arrays differently (fsdp
-    2 -> 1) and the 1-device one gathers them whole."""
+    devices with abstract targets in each layout's own shardings (as a process with that
+    many devices builds them; one 4-device process restores all three, each on its first
+    devices): every array equal. Then the run resumes on one device with more iterations
+    (mesh and num_iterations may change on resume). 4 devices, not 8: on a 2-CPU test
+    machine each fake device more makes every step dearer, and the 2-device restore still
+    splits arrays differently (fsdp 2 -> 1) and the 1-device one gathers them whole. One
+    iteration before the checkpoint: its arrays (Adam moments, counts) are all written."""
     workdir = tmp_path / "run"
     proc = runs.run("train_ppo.py", *_train_args(workdir, "--config.mesh.fsdp=2",
-                                                  "--config.mesh.tensor=2", iterations=3),
+                                                  "--config.mesh.tensor=2", iterations=1,
+                                                  every=1),
                     devices=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "restored"
+    proc = subprocess.run([sys.executable, "-c", RESTORE, str(workdir), str(out), "1",
+                           runs.TINY], env=runs.env(4), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     dumps = {}
-    for devices, fsdp, tensor in ((4, 2, 2), (2, 1, 2), (1, 1, 1)):
-        out = tmp_path / f"restored_{devices}.npz"
-        proc = subprocess.run([sys.executable, "-c", RESTORE, str(workdir), str(out), str(fsdp),
-                               str(tensor), runs.TINY], env=runs.env(devices),
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    for devices in (4, 2, 1):
         assert f"restored onto {devices} devices" in proc.stdout
-        dumps[devices] = dict(np.load(out))
+        dumps[devices] = dict(np.load(f"{out}_{devices}.npz"))
     assert len(dumps[4]) > 20  # policy, critic, both Adam moments, counts, kl_coef, iteration
     _assert_same_arrays(dumps[4], dumps[2])
     _assert_same_arrays(dumps[4], dumps[1])
 
     # Changes a resume allows: another mesh (1 device now) and a longer run.
-    proc = runs.run("train_ppo.py", *_train_args(workdir, iterations=4))
+    proc = runs.run("train_ppo.py", *_train_args(workdir, iterations=2))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resuming from checkpoint 3" in proc.stderr
+    assert "resuming from checkpoint 1" in proc.stderr
     lines = runs.strict_lines(workdir / "metrics.jsonl")
-    assert [r["iteration"] for r in lines] == [1, 2, 3, 4]
+    assert [r["iteration"] for r in lines] == [1, 2]
 
 
 def test_sigint_saves_and_exits_cleanly_and_a_critic_free_run_resumes(tmp_path):
@@ -289,7 +300,7 @@ def test_sigint_saves_and_exits_cleanly_and_a_critic_free_run_resumes(tmp_path):
     args = (f"--config={recipe}", f"--workdir={workdir}", "--config.num_iterations=8",
             "--config.checkpoint.every=100", "--config.measure_peak=false", *runs.ONE_EPOCH)
     proc = runs.start("train_ppo.py", *args, log_path=tmp_path / "log")
-    runs.wait_for(lambda: runs.metric_lines(workdir) >= 2, proc=proc)
+    runs.wait_for(lambda: runs.metric_lines(workdir) >= 2, proc=proc, poll=0.05)
     assert runs.kill(proc, signal.SIGINT) == 0
     stopped = runs.metric_lines(workdir)
     assert f"preempted at iteration {stopped}, saved checkpoint {stopped}" in (

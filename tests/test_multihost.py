@@ -267,7 +267,9 @@ def test_a_dead_process_stops_the_other(tmp_path, victim):
     workdir = str(tmp_path / "run")
     procs = start_group(workdir, 2, iterations=200, heartbeat=15)
     try:
-        runs.wait_for(lambda: runs.metric_lines(workdir) >= 1, timeout=600, proc=procs[0])
+        # (50 ms polls: the run has 200 iterations to be killed in.)
+        runs.wait_for(lambda: runs.metric_lines(workdir) >= 1, timeout=600, poll=0.05,
+                      proc=procs[0])
         procs[victim].send_signal(signal.SIGKILL)
         procs[victim].wait(timeout=60)
         survivor = procs[1 - victim]
