@@ -117,7 +117,8 @@ def test_pair_logps_are_summed_token_logprobs_of_the_full_logits():
     and right-padded responses."""
     from pjit_ppo.models import ModelConfig, init_params, lm_logits
     cfg = ModelConfig.from_hf_dict(tiny_text.model_random())
-    params = init_params(cfg, jax.random.PRNGKey(3))
+    # One compiled init (drawn op by op it cost about three times the CPU).
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.PRNGKey(3))
     q = np.array([[1, 1, 5, 6], [7, 8, 9, 10]], np.int32)
     c = np.array([[11, 12, 13], [14, 1, 1]], np.int32)
     r = np.array([[15, 16, 1], [17, 18, 19]], np.int32)

@@ -5,21 +5,8 @@ import json
 
 import pytest
 
-import runs
-import tiny_hf
+import own_model_run
 import tiny_text
-
-RECIPE = f"{runs.ROOT}/configs/hf_model.py"
-
-
-def _own_model(tmp_path, family, **overrides):
-    model_dir = tmp_path / f"{family}_model"
-    tiny_hf.save_model(family, str(model_dir), **overrides)
-    tiny_text.save_tokenizer(str(model_dir))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": s}) + "\n"
-                               for s in tiny_text.sentences(24, seed=3)))
-    return model_dir, prompts
 
 
 @pytest.mark.slow
@@ -27,13 +14,12 @@ def _own_model(tmp_path, family, **overrides):
     ("llama", dict(tie_word_embeddings=True, max_position_embeddings=128)),  # GQA: 4 q / 2 kv
     ("gpt2", dict(n_positions=128)),
 ], ids=["llama_gqa_tied", "gpt2"])
-def test_own_checkpoint_with_no_other_override(tmp_path, family, overrides):
-    model_dir, prompts = _own_model(tmp_path, family, **overrides)
-    workdir = tmp_path / "run"
-    proc = runs.run("train_ppo.py", f"--config={RECIPE}",
-                    f"--config.model.policy_path={model_dir}",
-                    f"--config.data.prompts_path={prompts}", f"--workdir={workdir}",
-                    timeout=900)
+def test_own_checkpoint_with_no_other_override(tmp_path_factory, family, overrides):
+    # The run (tests/own_model_run.py) is `train_ppo.py --config=configs/hf_model.py
+    # --config.model.policy_path=MODEL --config.data.prompts_path=PROMPTS --workdir=DIR`,
+    # made once per session: test_newcomer_defects's tests check the gpt2 one too.
+    run = own_model_run.own_run(tmp_path_factory, family, **overrides)
+    proc, workdir = run["proc"], run["workdir"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     assert [m["iteration"] for m in metrics] == list(range(1, 21))

@@ -2,46 +2,31 @@
 entry-point subprocess, its message and exit status, and the files it leaves.
 
 One tiny run of configs/hf_model.py on an HF directory of the newcomer's own (GPT-2
-architecture, a word-level tokenizer, a generation_config.json, 24 held-out prompts)
-is shared by the tests of this module.
+architecture, a word-level tokenizer, a generation_config.json, 24 held-out prompts), with
+no override but the model and the prompts, is shared by the tests of this module; it is
+the run test_hf_model_recipe's gpt2 case checks (tests/own_model_run.py: made once per
+session).
 """
 import json
-import os
 
 import pytest
 
+import own_model_run
 import runs
-import tiny_hf
-import tiny_text
-
-RECIPE = os.path.join(runs.ROOT, "configs", "hf_model.py")
 
 
 @pytest.fixture(scope="module")
 def own_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("newcomer")
-    model = root / "my_model"
-    tiny_hf.save_model("gpt2", str(model), n_positions=128)
-    tiny_text.save_tokenizer(str(model))
-    (model / "generation_config.json").write_text(json.dumps({"do_sample": True,
-                                                              "temperature": 0.6}))
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": s}) + "\n"
-                               for s in tiny_text.sentences(24, seed=5)))
-    workdir = root / "run"
-    args = (f"--config={RECIPE}", f"--config.model.policy_path={model}",
-            f"--config.data.prompts_path={prompts}")
-    proc = runs.run("train_ppo.py", *args, f"--workdir={workdir}",
-                    "--config.num_iterations=2", timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(root=root, model=model, prompts=prompts, workdir=workdir, args=args)
+    run = own_model_run.own_run(tmp_path_factory, "gpt2", n_positions=128)
+    assert run["proc"].returncode == 0, run["proc"].stderr[-3000:]
+    return run
 
 
-def test_export_is_self_contained_and_quiet(own_run):
+def test_export_is_self_contained_and_quiet(own_run, tmp_path):
     """The export loads with AutoTokenizer and carries the source's generation config;
     the command prints no library warnings about reading the checkpoint read-only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    out = own_run["root"] / "export"
+    out = tmp_path / "export"
     proc = runs.run("export_hf.py", f"--workdir={own_run['workdir']}", f"--output={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     tokenizer = AutoTokenizer.from_pretrained(str(out))
@@ -61,15 +46,15 @@ def test_evaluation_uses_the_held_out_set_once(own_run):
     workdir = own_run["workdir"]
     proc = runs.run("evaluate.py", *own_run["args"], f"--workdir={workdir}", devices=8)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((workdir / "eval" / "2" / "eval.json").read_text())
+    report = json.loads((workdir / "eval" / "20" / "eval.json").read_text())
     assert report["num_prompts"] == 24 and report["prompt_set_size"] == 24
     assert report["prompts_repeat"] is False
-    rows = (workdir / "eval" / "2" / "samples.jsonl").read_text().splitlines()
+    rows = (workdir / "eval" / "20" / "samples.jsonl").read_text().splitlines()
     assert len(rows) == 24 and len({json.loads(r)["prompt"] for r in rows}) == 24
     proc = runs.run("evaluate.py", *own_run["args"], f"--workdir={workdir}",
                     "--config.evaluation.num_prompts=64", devices=8)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((workdir / "eval" / "2" / "eval.json").read_text())
+    report = json.loads((workdir / "eval" / "20" / "eval.json").read_text())
     assert report["num_prompts"] == 64 and report["prompts_repeat"] is True
     assert "prompts repeat" in proc.stderr
 
