@@ -390,14 +390,18 @@ def test_gae_unchanged_by_explicit_defaults():
 @pytest.mark.parametrize("name", CRITIC_FREE)
 def test_critic_free_estimators_learn_a_token_reward(name):
     """On the demo's reward (fraction of target tokens), each estimator raises the score
-    clearly within 30 iterations while the KL to the reference stays bounded."""
+    clearly within 15 iterations while the KL to the reference stays bounded.
+
+    last - first at 15 iterations (2026-12-07, seeds 3/11/42; at 30 iterations in brackets):
+    grpo 0.65/0.75/0.79 (0.86/0.62/0.91), rloo 0.58/0.62/0.62 (0.60/0.58/0.58),
+    reinforce_pp 0.37/0.37/0.54 (0.35/0.42/0.37); max KL <= 12.5."""
     cfg = _cfg(advantage_estimator=name, batch_size=64, samples_per_prompt=4, nminibatches=2,
-               noptepochs=4, gradient_accumulation_steps=1, total_episodes=64 * 30,
+               noptepochs=4, gradient_accumulation_steps=1, total_episodes=64 * 15,
                truncate_token=None, truncate_after=0, lr=3e-3, init_kl_coef=0.05,
                kl_controller="fixed", query_length=6, response_length=6)
     # One device: learning is the point here, not sharding (8 fake devices on 2 cores
     # take 1.8x as long for the same numbers).
-    history, _ = _run(cfg, one_device_mesh(), 30, target_ids=(5, 6, 7))
+    history, _ = _run(cfg, one_device_mesh(), 15, target_ids=(5, 6, 7))
     first = np.mean([h["objective/scores"] for h in history[:3]])
     last = np.mean([h["objective/scores"] for h in history[-3:]])
     assert first < 0.15  # 3 of 63 tokens at random

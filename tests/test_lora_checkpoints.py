@@ -33,7 +33,7 @@ def get_config(arg=""):
     config = tiny_demo.get_config()
     config.model.policy_path, config.model.random = {base!r}, {{}}
     config.model.lora.rank, config.model.lora.alpha, config.model.lora.dropout = 4, 8.0, 0.05
-    config.ppo.pad_token_id, config.ppo.batch_size, config.ppo.noptepochs = 95, 32, 2
+    config.ppo.pad_token_id, config.ppo.batch_size, config.ppo.noptepochs = 95, 32, 1
     return config
 """
 ITERATIONS = 6
@@ -139,6 +139,14 @@ def test_evaluate_reads_the_lora_checkpoint(setup):
     assert np.isfinite(report["reward_mean"]) and report["kl_mean"] > 0
 
 
+@pytest.fixture(scope="module")
+def ours(setup):
+    """(ids, logits of the checkpoint's adapted policy, logits of its base) for both export
+    tests: one load and one forward each (after the refused resume put the base back)."""
+    ids = np.random.default_rng(0).integers(0, tiny_hf.VOCAB, (3, 10))
+    return (ids, *_ours(setup[2], ids))
+
+
 def _ours(workdir, ids):
     """Logits of the checkpoint's adapted policy (the unmerged forward on the fp32 base)."""
     ckpt = checkpoint.RunCheckpointer(str(workdir), read_only=True)
@@ -154,15 +162,14 @@ def _ours(workdir, ids):
             np.asarray(forward(base_cfg, base, ids, mask)[1]))
 
 
-def test_export_merges_the_adapters_into_an_hf_directory(setup, tmp_path):
+def test_export_merges_the_adapters_into_an_hf_directory(setup, ours, tmp_path):
     import torch
     import transformers
     _, _, workdir = setup
     out = tmp_path / "hf"
     proc = runs.run("export_hf.py", f"--workdir={workdir}", f"--output={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ids = np.random.default_rng(0).integers(0, tiny_hf.VOCAB, (3, 10))
-    ours, base = _ours(workdir, ids)
+    ids, ours, base = ours
     model = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
     with torch.no_grad():
         theirs = model(torch.tensor(ids)).logits.numpy()
@@ -170,7 +177,7 @@ def test_export_merges_the_adapters_into_an_hf_directory(setup, tmp_path):
     assert np.abs(ours - base).max() > 1e-3  # the adapters are in it
 
 
-def test_export_adapters_only_is_a_peft_directory(setup, tmp_path):
+def test_export_adapters_only_is_a_peft_directory(setup, ours, tmp_path):
     peft = pytest.importorskip("peft")
     import torch
     import transformers
@@ -182,8 +189,7 @@ def test_export_adapters_only_is_a_peft_directory(setup, tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] \
         == str(base_dir)
-    ids = np.random.default_rng(1).integers(0, tiny_hf.VOCAB, (2, 9))
-    ours, _ = _ours(workdir, ids)
+    ids, ours, _ = ours
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir).float().eval()
     model = peft.PeftModel.from_pretrained(model, str(out)).eval()
     with torch.no_grad():

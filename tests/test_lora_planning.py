@@ -9,6 +9,7 @@ from pjit_ppo import memory_analysis, planning
 from pjit_ppo.config import RewardOptions
 from pjit_ppo.models import lora
 from pjit_ppo.ppo import run as run_lib
+from test_lora_training import _ppo_config
 from test_planning import bytes_on, tiny_config
 from test_recipes import load
 
@@ -46,8 +47,17 @@ def test_planner_assembles_what_the_lora_build_allocates(case):
                                                                     jax.devices()[0])
 
 
+def _trained_case_config():
+    """tests/test_lora_training.py's gae_lora_critic_on_reward_trunk run (a LoRA critic on
+    the reward model's trunk): the plan compiles that run's two programs, which the
+    session's compilation cache then holds once for both modules."""
+    config = _ppo_config(critic_init="reward")
+    config.reward.kind = "model"
+    return config
+
+
 def test_plan_counts_parameters_and_splits_the_resident_bytes():
-    config = _lora_config(critic_init="reward")
+    config = _trained_case_config()
     plan = planning.plan(config, device_memory=2**30)
     run = planning.abstract_run(config, planning.sharding.make_mesh())
     adapters = lora.count(run.state.params["policy"]) + lora.count(
@@ -66,11 +76,12 @@ def test_plan_counts_parameters_and_splits_the_resident_bytes():
     assert sum(parts.values()) == pytest.approx(plan["resident_bytes"], rel=0.01)
     # The update reads the bases as arguments: nothing frozen stays resident beside it.
     assert plan["phases"]["update"]["resident_elsewhere_bytes"]["frozen_models"] == 0
-    # Without LoRA: everything trains, nothing is a base.
-    full = planning.plan(tiny_config(), device_memory=2**30)
-    assert full["resident_breakdown_bytes"]["base"] == 0
-    assert full["resident_breakdown_bytes"]["adapters"] == 0
-    assert full["trainable_parameters"] > 10 * plan["trainable_parameters"]
+    # Without LoRA: everything trains, nothing is a base. The plan of that run (the same
+    # tiny_config()) is compiled once, by tests/test_planning.py's job_and_plan fixture:
+    # test_breakdown_counts_each_model checks there that its base and adapters are 0 and
+    # that its trainable_parameters count every parameter of the (abstract) run counted here.
+    full = planning.abstract_run(tiny_config(), planning.sharding.make_mesh())
+    assert lora.count(full.state.params) > 10 * plan["trainable_parameters"]
     assert "parameters:" in planning.to_text(plan) and "resident base" in planning.to_text(plan)
 
 

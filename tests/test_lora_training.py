@@ -156,7 +156,7 @@ def sft_run(tmp_path_factory):
                        tokenizer_path=str(d / "tok"), seq_length=12, batch_size=16,
                        gradient_accumulation_steps=2, max_steps=16, lr=1e-2, eval_every=8,
                        log_every=8, eval_fraction=0.1, tensorboard=False,
-                       checkpoint=CheckpointOptions(every=8, async_save=False))
+                       checkpoint=CheckpointOptions(every=16, async_save=False))  # one save
     return config, sft.train(config, str(d / "work")), d
 
 
@@ -197,7 +197,8 @@ def dpo_run(tmp_path_factory):
     config = DPOConfig(model=model, labels_path=labels, tokenizer_path=str(d / "tok"),
                        query_length=6, response_length=6, pad_token_id=1, truncate_token=None,
                        batch_size=16, gradient_accumulation_steps=2, lr=1e-2, max_steps=12,
-                       log_every=6, eval_every=6, tensorboard=False)
+                       log_every=6, eval_every=6, tensorboard=False,
+                       checkpoint=CheckpointOptions(every=12))  # one save, at the end
     return config, dpo.train(config, str(d / "work")), d
 
 

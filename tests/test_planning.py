@@ -24,6 +24,7 @@ import runs
 from pjit_ppo import memory_analysis, planning, rewards
 from pjit_ppo.config import ModelOptions, PPOConfig, RewardOptions, RunConfig
 from pjit_ppo.config.estimators import ESTIMATORS
+from pjit_ppo.models import lora
 from pjit_ppo.ppo import memory_plan
 from pjit_ppo.ppo import run as run_lib
 from pjit_ppo.ppo.trainer import PPOTrainer
@@ -203,6 +204,11 @@ def test_breakdown_counts_each_model(job_and_plan):
     assert close(b["optimizer_state"]["policy"], 2 * b["parameters"]["policy"])
     assert set(b["frozen_models"]) == {"ref", "reward"}
     assert abstract["phases"]["rollout"]["breakdown"]["kv_cache_bytes"] > 0
+    # Without LoRA (tests/test_lora_planning.py plans with it): everything trains, nothing
+    # is a base, and every parameter counts as trainable.
+    assert abstract["resident_breakdown_bytes"]["base"] == 0
+    assert abstract["resident_breakdown_bytes"]["adapters"] == 0
+    assert abstract["trainable_parameters"] == lora.count(job.state.params)
 
 
 def test_cli_json_keys_are_stable(tmp_path):

@@ -222,14 +222,17 @@ def test_rollout_rewards_follow_reference_semantics():
 
 @pytest.mark.slow
 def test_ppo_learns_a_token_reward():
-    """The score (fraction of target tokens) rises clearly while KL stays bounded."""
+    """The score (fraction of target tokens) rises clearly while KL stays bounded.
+
+    15 iterations (2026-12-07, seeds 3/11/42): last - first = 0.49/0.53/0.56 (0.55/0.55/0.52
+    at 30), max KL <= 7.7."""
     cfg = _cfg(batch_size=64, nminibatches=2, noptepochs=4, gradient_accumulation_steps=1,
-               total_episodes=64 * 30, truncate_token=None, lr=3e-3, init_kl_coef=0.05,
+               total_episodes=64 * 15, truncate_token=None, lr=3e-3, init_kl_coef=0.05,
                kl_controller="fixed", critic_init="policy", whiten_rewards=False,
                query_length=6, response_length=6)
     # One device: learning is the point here, not sharding (8 fake devices on 2 cores
     # take 1.8x as long for the same numbers).
-    history, _ = _run(cfg, one_device_mesh(), iterations=30, reward=(5, 6, 7))
+    history, _ = _run(cfg, one_device_mesh(), iterations=15, reward=(5, 6, 7))
     first = np.mean([h["objective/scores"] for h in history[:3]])
     last = np.mean([h["objective/scores"] for h in history[-3:]])
     assert first < 0.15  # 3 of 63 tokens at random
