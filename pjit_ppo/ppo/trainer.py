@@ -361,8 +361,8 @@ class PPOTrainer:
              iteration: int) -> Tuple[TrainState, Dict[str, float]]:
         """One PPO iteration. `state` is donated; returns the new state and host metrics.
 
-        The first call compiles (unless `compile` was called); the first step after the
-        compile (its own or an earlier `compile`) adds `time/compile_s`.
+        The first call compiles the phases not compiled yet (by `compile` or a first
+        `rollout`); the first step after a compile adds `time/compile_s`.
         """
         if self._rollout is None or self._update is None:
             self.compile(state, frozen, query, query_mask)
