@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices unless the caller set XLA_FLAGS already, a faster
-compiler setting (runs.TEST_XLA_FLAGS), and one compilation cache for the session."""
+compiler setting (runs.TEST_XLA_FLAGS), one compilation cache and one program cache for
+the session."""
 import os
 
 import runs
@@ -22,6 +23,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="pjit_ppo_jax_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# The entry-point subprocesses also share one program cache (pjit_ppo.program_cache):
+# a launch that repeats another's PPO phases loads them without tracing. runs.env passes
+# it on; this process leaves it off, so no in-process test (some patch the code they
+# trace) can be handed a program compiled from other code.
+if "PJIT_PPO_TESTS_PROGRAM_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+    _programs_dir = tempfile.mkdtemp(prefix="pjit_ppo_programs_")
+    os.environ["PJIT_PPO_TESTS_PROGRAM_CACHE_DIR"] = _programs_dir
+    atexit.register(shutil.rmtree, _programs_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -32,12 +32,16 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_em
 
 def env(devices: int = 1, **extra) -> dict:
     """The environment of an entry point subprocess: CPU, `devices` host devices, the test
-    XLA flags and the session's compilation cache (set by conftest.py)."""
+    XLA flags, and the session's compilation cache and program cache (set by
+    conftest.py)."""
     out = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = list(TEST_XLA_FLAGS)
     if devices > 1:
         flags.insert(0, f"--xla_force_host_platform_device_count={devices}")
     out["XLA_FLAGS"] = " ".join(flags)
+    programs = os.environ.get("PJIT_PPO_TESTS_PROGRAM_CACHE_DIR")
+    if programs:
+        out["PJIT_PPO_PROGRAM_CACHE_DIR"] = programs
     out.update(extra)
     return out
 

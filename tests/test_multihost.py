@@ -23,9 +23,10 @@ process and between processes, and on a 2-CPU test machine an iteration of 2 pro
 x 4 devices cost about three times the CPU of one of 2 x 2 (gloo's collectives).
 
 Process 1 of a multi-process group never hits the persistent compilation cache (its key
-holds its own view of the topology, and JAX writes entries from process 0 only), so
-every group start compiles its programs again: the module starts as few groups as its
-checks need.
+holds its own view of the topology, and JAX writes entries from process 0 only); the
+session's program cache (pjit_ppo.program_cache, keyed by process index) gives each
+process the PPO phases it compiled in an earlier group. The module still starts as few
+groups as its checks need.
 """
 import glob
 import os

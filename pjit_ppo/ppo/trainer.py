@@ -15,6 +15,7 @@ Every other reward keeps the single rollout program.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import time
@@ -28,7 +29,7 @@ from jax.sharding import Mesh
 
 from pjit_ppo import flops as flops_lib
 from pjit_ppo import metrics as metrics_lib
-from pjit_ppo import distributed, param_makers, rng, sharding
+from pjit_ppo import distributed, param_makers, program_cache, rng, sharding
 from pjit_ppo.config import PPOConfig
 from pjit_ppo.errors import NonFiniteError
 from pjit_ppo.optim import make_optimizer
@@ -99,6 +100,14 @@ class RolloutPrograms:
             return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                     + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
         return max((p.memory_analysis() for p in (self.sample, self.score)), key=peak)
+
+
+def _compile_all(lowered) -> list:
+    """A lowered phase compiled, as a list of programs (two for a split rollout)."""
+    compiled = lowered.compile()
+    if isinstance(compiled, RolloutPrograms):
+        return [compiled.sample, compiled.score]
+    return [compiled]
 
 
 def check_finite(metrics: Dict[str, float], iteration: int) -> None:
@@ -200,19 +209,66 @@ class PPOTrainer:
         is allocated). Returns the seconds it took (added to `compile_seconds`). The
         first `step` compiles what is missing; the first `rollout` compiles the rollout
         alone. `compiled` holds the results.
+
+        With PJIT_PPO_PROGRAM_CACHE_DIR set, a phase stored there by an earlier launch of
+        the same programs is loaded instead, without tracing (`pjit_ppo.program_cache`;
+        `program_description` says when the trainer can use it).
         """
         t0 = time.perf_counter()
         missing = tuple(p for p in _check_phases(phases) if self._programs[p] is None)
-        if missing:
-            lowered = self.lower(state, frozen, query, query_mask, phases=missing)
-            for phase in missing:
-                self._programs[phase] = lowered[phase].compile()
+        keys = {p: self._program_key(p, state, frozen, query, query_mask) for p in missing}
+        todo = []
+        for phase in missing:
+            stored = program_cache.load(keys[phase])
+            if stored is not None:
+                self._programs[phase] = self._phase_program(phase, stored)
+            else:
+                todo.append(phase)
+        if todo:
+            lowered = self.lower(state, frozen, query, query_mask, phases=todo)
+            for phase in todo:
+                programs = program_cache.compile_and_store(
+                    keys[phase], functools.partial(_compile_all, lowered[phase]))
+                self._programs[phase] = self._phase_program(phase, programs)
         seconds = time.perf_counter() - t0
         self.compile_seconds = (self.compile_seconds or 0.0) + seconds
         # Processes finish compiling at different times; CPU collectives (gloo) give up
         # on a peer more than 30 s late, so all processes start the first step together.
         distributed.barrier("pjit_ppo_compiled")
         return seconds
+
+    def program_description(self) -> Optional[str]:
+        """Everything the traced phases close over besides the code and the arguments, as
+        a string (`pjit_ppo.program_cache`); None when the trainer cannot describe its
+        programs (an optimizer passed in, or a reward function without `program_key`):
+        then they are always traced. The run length is left out: the default optimizer
+        reads it as an input of the update."""
+        reward = getattr(self.models.reward_fn, "program_key", None)
+        if not self._run_length_input or reward is None:
+            return None
+        cfg = tuple((f.name, getattr(self.cfg, f.name)) for f in dataclasses.fields(self.cfg)
+                    if f.name != "total_episodes")
+        mesh = (tuple(self.mesh.axis_names), tuple(self.mesh.devices.shape),
+                tuple(d.id for d in self.mesh.devices.flat))
+        return repr((type(self.cfg).__name__, cfg, self.models.policy, self.models.critic,
+                     self.models.critic_base, reward, self.host_columns, mesh))
+
+    def _phase_program(self, phase: str, programs: list):
+        """A phase's program from its list (`_compile_all`): a split rollout's two as
+        RolloutPrograms, else the one."""
+        if phase == "rollout" and self.host_columns:
+            return RolloutPrograms(*programs)
+        (program,) = programs
+        return program
+
+    def _program_key(self, phase: str, state, frozen, query, query_mask) -> Optional[str]:
+        if program_cache.directory() is None:
+            return None
+        description = self.program_description()
+        if description is None:
+            return None
+        return program_cache.key(f"ppo/{phase}", description,
+                                 (state, frozen, self._prompts(query, query_mask)))
 
     @property
     def _rollout(self):

@@ -47,6 +47,12 @@ class HostScores:
                              f"first")
         return host_scores[:, 0]
 
+    @property
+    def program_key(self) -> str:
+        """What the traced part depends on (`pjit_ppo.program_cache`): the first column of
+        host_scores; the functions themselves run on the host."""
+        return f"host_scores {len(self.host_functions)}"
+
 
 def check(options) -> None:
     """reward.function: a SPEC of either form (not imported here: the launch does that)."""

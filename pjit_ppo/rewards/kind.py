@@ -27,7 +27,10 @@ class Reward(NamedTuple):
       [B, H] (the functions' scores, one column each) and carries the functions as
       `fn.host_functions` (`pjit_ppo.rewards.host_functions(fn)`); a reward of several
       weighted terms (`pjit_ppo.rewards.terms`) gives a fn with `names` and
-      `terms(...) -> float32 [B, T]` (each term's own score).
+      `terms(...) -> float32 [B, T]` (each term's own score). Each built-in kind's fn
+      has `program_key`, a string naming everything its traced code closes over (its
+      ModelConfig, target ids, weights): with it, a run's compiled PPO phases may come
+      from `pjit_ppo.program_cache`; a fn without one is always traced.
     params: the frozen parameters `fn` reads (a pytree in the compute dtype, sharded
       on the mesh; or jax.ShapeDtypeStructs with shardings when built abstractly),
       or None when it reads none.

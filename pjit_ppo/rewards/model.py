@@ -54,6 +54,7 @@ def model_reward_fn(reward_config):
     def fn(reward_params, query, query_mask, response, response_mask):
         return scoring.sequence_reward(reward_config, reward_params, query, query_mask,
                                        response, response_mask)
+    fn.program_key = f"model {reward_config!r}"  # what it traces (pjit_ppo.program_cache)
     return fn
 
 

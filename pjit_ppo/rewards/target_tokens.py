@@ -24,6 +24,7 @@ def target_token_reward(target_ids: Sequence[int]):
         n = jnp.maximum(jnp.sum(response_mask, axis=-1), 1)
         return jnp.sum(hit, axis=-1).astype(jnp.float32) / n
 
+    fn.program_key = f"target_tokens {tuple(int(t) for t in target_ids)}"  # program_cache
     return fn
 
 

@@ -181,6 +181,15 @@ class WeightedTerms:
             total = part if total is None else total + part
         return total
 
+    @property
+    def program_key(self):
+        """What the traced function depends on (`pjit_ppo.program_cache`): the names,
+        weights, host columns and each term's own key; None when a term has none."""
+        keys = tuple(getattr(fn, "program_key", None) for fn in self.fns)
+        if None in keys:
+            return None
+        return repr(("terms", self.names, self.weights, self.host_counts, keys))
+
     def __call__(self, reward_params, query, query_mask, response, response_mask,
                  host_scores=None):
         return self.combine(self.terms(reward_params, query, query_mask, response,

@@ -1,0 +1,131 @@
+"""The program cache (pjit_ppo.program_cache): a repeated launch loads its PPO phases
+without tracing them and computes the same bit for bit; a damaged entry is compiled again
+with a warning; what the key leaves out (the run length) does not change the program, and
+what it holds (a config field) does; a miss is compiled by XLA even when JAX's own
+persistent cache holds the program (a copy of what that cache gives back fails when run),
+and the stored program runs."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjit_ppo import program_cache
+
+import runs
+
+sys.path.insert(0, os.path.join(runs.ROOT, "configs"))
+import tiny_demo  # noqa: E402  (configs/tiny_demo.py)
+
+LOADED = "program cache: loaded "
+
+
+def _launch(workdir, programs, iterations=2):
+    """train_ppo.py on the tiny recipe with its own program cache (and the session's
+    compilation cache, which a miss sets aside for the phases)."""
+    args = runs.train_args(workdir, *runs.ONE_EPOCH, iterations=iterations, every=iterations)
+    env = runs.env(PJIT_PPO_PROGRAM_CACHE_DIR=str(programs))
+    return subprocess.run(runs.command("train_ppo.py", *args), cwd=runs.ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_repeated_launch_loads_its_programs_and_a_damaged_entry_is_compiled_again(tmp_path):
+    programs = tmp_path / "programs"
+    first = _launch(tmp_path / "first", programs)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert LOADED not in first.stderr
+    entries = sorted(programs.glob("*.programs"))
+    assert len(entries) == 2  # rollout, update
+    assert not list(programs.glob(".tmp-*"))
+
+    again = _launch(tmp_path / "again", programs)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count(LOADED) == 2
+    runs.assert_same_metrics(tmp_path / "first" / "metrics.jsonl",
+                             tmp_path / "again" / "metrics.jsonl")
+
+    for entry in entries:  # cut off, as by a full disk
+        entry.write_bytes(entry.read_bytes()[:100])
+    damaged = _launch(tmp_path / "damaged", programs)
+    assert damaged.returncode == 0, damaged.stderr[-3000:]
+    assert LOADED not in damaged.stderr
+    assert damaged.stderr.count("program cache: cannot read ") == 2
+    assert damaged.stderr.count("compiling instead") == 2
+    runs.assert_same_metrics(tmp_path / "first" / "metrics.jsonl",
+                             tmp_path / "damaged" / "metrics.jsonl")
+    assert sorted(programs.glob("*.programs")) == entries  # written again, whole
+    assert all(entry.stat().st_size > 100 for entry in entries)
+    assert runs.metric_lines(tmp_path / "first") == 2  # the earlier runs are untouched
+
+
+def _tiny_trainer(**ppo_changes):
+    from pjit_ppo import param_makers, sharding
+    from pjit_ppo.ppo.assembly import assemble
+    config = tiny_demo.get_config()
+    for name, value in ppo_changes.items():
+        setattr(config.ppo, name, value)
+    make = param_makers.Abstract(sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    return assemble(config, make)
+
+
+def test_the_key_leaves_out_the_run_length_and_nothing_that_changes_the_program():
+    base = _tiny_trainer()
+    longer = _tiny_trainer(total_episodes=base.trainer.cfg.total_episodes * 3)
+    other = _tiny_trainer(cliprange=0.1)
+    description = base.trainer.program_description()
+    assert description is not None
+    assert longer.trainer.program_description() == description
+    assert other.trainer.program_description() != description
+    query = jax.ShapeDtypeStruct((base.trainer.cfg.prompts_per_iteration,
+                                  base.trainer.cfg.query_length), jnp.int32)
+    mask = jax.ShapeDtypeStruct(query.shape, jnp.bool_)
+
+    def update_text(assembly):
+        lowered = assembly.trainer.lower(assembly.state, assembly.frozen, query, mask,
+                                         phases=("rollout", "update"))
+        return lowered["update"].as_text()
+    # The length is an input of the update: the same program for any length.
+    assert update_text(longer) == update_text(base)
+
+
+def test_no_key_without_a_description_of_the_reward_or_with_an_optimizer_passed_in():
+    import optax
+    from pjit_ppo.ppo.trainer import PPOTrainer
+    run = _tiny_trainer()
+    trainer = run.trainer
+
+    def plain_reward(params, query, query_mask, response, response_mask):
+        return jnp.zeros(response.shape[:1], jnp.float32)
+    no_key = dataclasses.replace(trainer.models, reward_fn=plain_reward)
+    assert PPOTrainer(trainer.cfg, no_key, trainer.mesh,
+                      num_updates=3).program_description() is None
+    assert PPOTrainer(trainer.cfg, trainer.models, trainer.mesh, num_updates=3,
+                      optimizer=optax.sgd(0.1)).program_description() is None
+
+
+def test_a_miss_is_compiled_by_xla_even_when_jax_s_cache_holds_the_program(tmp_path,
+                                                                           monkeypatch):
+    """A copy of what JAX's persistent cache gives back does not serialize whole (its
+    reloaded copy fails when run), so a miss compiles with that cache set aside; the
+    stored program then runs, and JAX's cache is back on afterwards."""
+    monkeypatch.setenv(program_cache.ENV, str(tmp_path))
+    # A program no other test compiles: the first compile is XLA's own.
+    marker = float(np.random.default_rng(os.getpid()).integers(1 << 20)) + 0.5
+
+    def f(x):
+        return jnp.argmax(jnp.sin(x) * marker) + jnp.sum(x > marker)
+    x = jnp.arange(4.0)
+
+    def compile_f():
+        return [jax.jit(f).lower(x).compile()]
+    (fresh,) = compile_f()  # into JAX's persistent cache
+    jax.clear_caches()
+    (compiled,) = program_cache.compile_and_store("a" * 64, compile_f)
+    assert os.listdir(tmp_path) == ["a" * 64 + ".programs"]
+    assert jax.config.jax_enable_compilation_cache
+    (loaded,) = program_cache.load("a" * 64)
+    np.testing.assert_array_equal(loaded(x), fresh(x))
+    np.testing.assert_array_equal(compiled(x), fresh(x))
