@@ -23,16 +23,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="pjit_ppo_jax_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-# The entry-point subprocesses also share one program cache (pjit_ppo.program_cache):
-# a launch that repeats another's PPO phases loads them without tracing. runs.env passes
-# it on; this process leaves it off, so no in-process test (some patch the code they
-# trace) can be handed a program compiled from other code.
-if "PJIT_PPO_TESTS_PROGRAM_CACHE_DIR" not in os.environ:
+# And one program cache (pjit_ppo.program_cache), for the tests and the subprocesses
+# alike: a PPOTrainer that repeats another's phases loads them without tracing. Its key
+# holds the source of pjit_ppo, not what a test patches at run time: a test that patches
+# code a PPO phase traces must `monkeypatch.delenv("PJIT_PPO_PROGRAM_CACHE_DIR")`.
+if "PJIT_PPO_PROGRAM_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
     import tempfile
     _programs_dir = tempfile.mkdtemp(prefix="pjit_ppo_programs_")
-    os.environ["PJIT_PPO_TESTS_PROGRAM_CACHE_DIR"] = _programs_dir
+    os.environ["PJIT_PPO_PROGRAM_CACHE_DIR"] = _programs_dir
     atexit.register(shutil.rmtree, _programs_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -39,9 +39,6 @@ def env(devices: int = 1, **extra) -> dict:
     if devices > 1:
         flags.insert(0, f"--xla_force_host_platform_device_count={devices}")
     out["XLA_FLAGS"] = " ".join(flags)
-    programs = os.environ.get("PJIT_PPO_TESTS_PROGRAM_CACHE_DIR")
-    if programs:
-        out["PJIT_PPO_PROGRAM_CACHE_DIR"] = programs
     out.update(extra)
     return out
 
