@@ -4,7 +4,8 @@ program loads it without tracing it (opt-in: PJIT_PPO_PROGRAM_CACHE_DIR).
 JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) skips XLA's compile, but
 its key is the lowered program: every launch still traces and lowers each program first.
 For the tiny recipe's two PPO phases that is about 2.7 CPU-s per launch, more than half
-of what compiling them at XLA's -O0 costs. This cache's key is computed before tracing, from:
+of what compiling them at XLA's -O0 costs. This cache's key is computed before tracing,
+from:
 
   - the source of the pjit_ppo package, and the versions of Python and of the libraries
     traced into the programs (`TRACED_LIBRARIES`);
@@ -20,8 +21,9 @@ set aside for that compile, and writes the entry: an executable that JAX's cache
 back does not serialize whole (jax 0.10.2: the copy loses fused kernels and fails when
 run). So the first launch with an empty program cache compiles each program in full
 even when JAX's cache holds it. The cache never fails a run: an entry that cannot be
-read is compiled again, one that cannot be written is skipped, each with a warning. Entries are written atomically (a temporary file, then a
-rename), so concurrent launches may share a directory.
+read is compiled again, one that cannot be written is skipped, each with a warning.
+Entries are written atomically (a temporary file, then a rename), so concurrent launches
+may share a directory.
 
 The description is the caller's contract: anything the traced function reads that is not
 in the code, the configuration it names, or the arguments' shapes must be in it.
