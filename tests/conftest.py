@@ -13,27 +13,28 @@ for _flag in runs.TEST_XLA_FLAGS:
         _flags += " " + _flag
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _session_directory(variable: str, prefix: str) -> None:
+    """Sets `variable` to a new temporary directory, removed at exit, unless the caller
+    set it (xdist workers inherit the controller's)."""
+    if variable not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+        path = tempfile.mkdtemp(prefix=prefix)
+        os.environ[variable] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
 # One persistent compilation cache for the whole session, shared with the entry-point
-# subprocesses (tests/runs.py): the same programs are compiled by many tests. Removed at
-# exit when this session made it.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-    _cache_dir = tempfile.mkdtemp(prefix="pjit_ppo_jax_cache_")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# subprocesses (tests/runs.py): the same programs are compiled by many tests.
+_session_directory("JAX_COMPILATION_CACHE_DIR", "pjit_ppo_jax_cache_")
 # And one program cache (pjit_ppo.program_cache), for the tests and the subprocesses
 # alike: a PPOTrainer that repeats another's phases loads them without tracing. Its key
 # holds the source of pjit_ppo, not what a test patches at run time: a test that patches
 # code a PPO phase traces must `monkeypatch.delenv("PJIT_PPO_PROGRAM_CACHE_DIR")`.
-if "PJIT_PPO_PROGRAM_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-    _programs_dir = tempfile.mkdtemp(prefix="pjit_ppo_programs_")
-    os.environ["PJIT_PPO_PROGRAM_CACHE_DIR"] = _programs_dir
-    atexit.register(shutil.rmtree, _programs_dir, ignore_errors=True)
+_session_directory("PJIT_PPO_PROGRAM_CACHE_DIR", "pjit_ppo_programs_")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

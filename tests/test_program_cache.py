@@ -4,6 +4,7 @@ with a warning; what the key leaves out (the run length) does not change the pro
 what it holds (a config field) does; a miss is compiled by XLA even when JAX's own
 persistent cache holds the program (a copy of what that cache gives back fails when run),
 and the stored program runs."""
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -129,3 +130,10 @@ def test_a_miss_is_compiled_by_xla_even_when_jax_s_cache_holds_the_program(tmp_p
     (loaded,) = program_cache.load("a" * 64)
     np.testing.assert_array_equal(loaded(x), fresh(x))
     np.testing.assert_array_equal(compiled(x), fresh(x))
+    # The guard behind the set-aside: should JAX's cache give the program back anyway,
+    # nothing is stored.
+    monkeypatch.setattr(program_cache, "_xla_compiles", contextlib.nullcontext)
+    jax.clear_caches()
+    (again,) = program_cache.compile_and_store("b" * 64, compile_f)
+    np.testing.assert_array_equal(again(x), fresh(x))
+    assert os.listdir(tmp_path) == ["a" * 64 + ".programs"]
