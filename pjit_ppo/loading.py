@@ -12,9 +12,9 @@ from typing import List, Optional
 
 import jax
 
-from pjit_ppo import sharding
+from pjit_ppo import program_cache, sharding
 from pjit_ppo.config import ModelOptions
-from pjit_ppo.models import ModelConfig, init_params, load_pretrained, lora
+from pjit_ppo.models import ModelConfig, init_params, load_pretrained, lora, param_shapes
 
 #: The files of an HF tokenizer directory that are copied next to a stage's output model.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -27,9 +27,25 @@ def load_lm(options: ModelOptions, path: str, mesh, seed: int):
     if path:
         return load_pretrained(path, mesh=mesh, dtype="float32", config_overrides=overrides)
     config = ModelConfig.from_hf_dict(dict(options.random), **overrides)
-    params = sharding.init_sharded(functools.partial(init_params, config), mesh,
-                                   jax.random.PRNGKey(seed))
-    return config, params
+    return config, random_params(config, mesh, seed)
+
+
+def random_params(config: ModelConfig, mesh, seed: int):
+    """`init_params(config, PRNGKey(seed))` (fp32), each parameter created already in its
+    sharding on `mesh` by the default partition rules. The init program is described by
+    the config and those shardings, so a launch with the program cache on
+    (`pjit_ppo.program_cache`) loads it instead of tracing the model."""
+    shapes = param_shapes(config)
+    shardings = sharding.param_shardings(shapes, mesh)
+    key = jax.random.PRNGKey(seed)
+    init = jax.jit(functools.partial(init_params, config), out_shardings=shardings)
+    outputs = jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                  sharding=where),
+                           shapes, shardings)
+    program = program_cache.compiled("models/init_params",
+                                     repr((config, program_cache.arguments(outputs))),
+                                     init, key)
+    return program(key)
 
 
 def merged_lm(options: ModelOptions, path: str, mesh, seed: int, spec, adapters):

@@ -24,11 +24,10 @@ import functools
 from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 
 from pjit_ppo import rng, sharding
 from pjit_ppo.loading import lm_config, load_lm
-from pjit_ppo.models import assemble, init_params, lora
+from pjit_ppo.models import assemble, lora, param_shapes
 
 
 def _shardings(tree):
@@ -67,8 +66,7 @@ class Abstract(Loaded):
 
     def lm(self, options, path: str, seed: int):
         config = lm_config(options, path)
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-        shapes = jax.eval_shape(functools.partial(init_params, config), key)
+        shapes = param_shapes(config)
         return config, _with(shapes, sharding.param_shardings(shapes, self.mesh))
 
     def put(self, make: Callable[[], Any], target) -> Any:

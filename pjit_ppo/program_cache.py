@@ -28,7 +28,12 @@ may share a directory.
 The description is the caller's contract: anything the traced function reads that is not
 in the code, the configuration it names, or the arguments' shapes must be in it.
 `pjit_ppo.ppo.trainer.PPOTrainer` uses the cache only when it can describe its programs
-(the default optimizer and a reward that has a `program_key`).
+(the default optimizer and a reward that has a `program_key`); a random model's init
+(`pjit_ppo.loading`) is described by its ModelConfig and its parameters' shardings.
+
+Tracing alone also costs: `jax.eval_shape` of a model's init traces the whole model.
+`shapes` keeps such results (trees of jax.ShapeDtypeStruct) in the same directory, keyed
+like a program minus the devices (shapes do not depend on them).
 """
 from __future__ import annotations
 
@@ -91,12 +96,11 @@ def _platform() -> str:
     import jax
     backend = jax.devices()[0].client
     devices = [(d.id, d.process_index, d.platform, d.device_kind) for d in jax.devices()]
-    config = sorted((k, repr(v)) for k, v in jax.config.values.items())
     return repr((os.environ.get("XLA_FLAGS", ""), backend.platform, backend.platform_version,
-                 jax.process_index(), jax.process_count(), devices, config))
+                 jax.process_index(), jax.process_count(), devices, _jax_config()))
 
 
-def _arguments(args) -> str:
+def arguments(args) -> str:
     """The arguments' tree structure and each leaf's shape, dtype and sharding."""
     import jax
     leaves, tree = jax.tree_util.tree_flatten(args)
@@ -115,12 +119,17 @@ def _arguments(args) -> str:
     return repr((str(tree), [leaf(x) for x in leaves]))
 
 
+def _jax_config() -> str:
+    import jax
+    return repr(sorted((k, repr(v)) for k, v in jax.config.values.items()))
+
+
 def key(name: str, description: str, args) -> str:
     """The entry key (hex sha256) of program `name` made from `description` (a string
     naming everything the traced function closes over) for arguments `args` (a pytree of
     arrays or jax.ShapeDtypeStructs with shardings)."""
     parts = (FORMAT, name, description, code_fingerprint(), _library_versions(), _platform(),
-             _arguments(args))
+             arguments(args))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -188,16 +197,26 @@ def store(entry_key: str, programs: Sequence[Any]) -> bool:
     """Writes `programs` (jax.stages.Compiled) under `entry_key`; returns whether it did.
     Nothing is written when the cache is off; a failure to serialize or write is a
     warning."""
-    folder = directory()
-    if folder is None:
+    if directory() is None:
         return False
-    path = _path(entry_key)
     try:
         from jax.experimental import serialize_executable
         blob = pickle.dumps([(*serialize_executable.serialize(p), _device_ids(p))
                              for p in programs])
+    except Exception as e:  # noqa: BLE001 - the run goes on without the entry
+        logging.warning("program cache: cannot serialize %s (%s: %s)", entry_key,
+                        type(e).__name__, e)
+        return False
+    return _write_atomically(_path(entry_key), blob)
+
+
+def _write_atomically(path: str, blob: bytes) -> bool:
+    """Writes `blob` to `path` through a temporary file in the same directory and a
+    rename; returns whether it did (a failure is a warning)."""
+    folder = os.path.dirname(path)
+    try:
         os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=_SUFFIX)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
@@ -244,3 +263,40 @@ def compile_and_store(entry_key: Optional[str], compile_fn: Callable[[], Sequenc
     if counter.hits == hits:  # a guard: a program from JAX's cache is never stored
         store(entry_key, programs)
     return programs
+
+
+def compiled(name: str, description: str, jitted, *args):
+    """`jitted.lower(*args).compile()` (jitted: a jax.jit-wrapped function), or the program
+    an earlier launch stored under the same key (`key(name, description, args)`; the
+    description must name everything `jitted` closes over, its out_shardings included).
+    With the cache off: compiled as usual (JAX's persistent cache applies)."""
+    entry_key = key(name, description, args) if directory() is not None else None
+    stored = load(entry_key)
+    if stored is not None:
+        (program,) = stored
+        return program
+    (program,) = compile_and_store(entry_key, lambda: [jitted.lower(*args).compile()])
+    return program
+
+
+def shapes(name: str, description: str, make: Callable[[], Any]) -> Any:
+    """`make()` (a pytree of jax.ShapeDtypeStruct without shardings, e.g. from
+    jax.eval_shape), or the tree an earlier launch stored under (name, description, the
+    code, library versions and jax's configuration). With the cache off: `make()`."""
+    folder = directory()
+    if folder is None:
+        return make()
+    parts = (FORMAT, name, description, code_fingerprint(), _library_versions(),
+             _jax_config())
+    path = os.path.join(folder, hashlib.sha256(repr(parts).encode()).hexdigest() + ".shapes")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 - traced again, never fatal
+        logging.warning("program cache: cannot read %s (%s: %s); tracing instead", path,
+                        type(e).__name__, e)
+    tree = make()
+    _write_atomically(path, pickle.dumps(tree))
+    return tree

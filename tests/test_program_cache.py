@@ -1,11 +1,12 @@
-"""The program cache (pjit_ppo.program_cache): a repeated launch loads its PPO phases
-without tracing them and computes the same bit for bit; a damaged entry is compiled again
-with a warning; what the key leaves out (the run length) does not change the program, and
+"""The program cache (pjit_ppo.program_cache): a repeated launch loads its PPO phases and
+its random model's init without tracing them and computes the same bit for bit; a
+damaged entry is compiled (or traced) again with a warning; what the key leaves out (the run length) does not change the program, and
 what it holds (a config field) does; a miss is compiled by XLA even when JAX's own
 persistent cache holds the program (a copy of what that cache gives back fails when run),
 and the stored program runs."""
 import contextlib
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -39,26 +40,31 @@ def test_a_repeated_launch_loads_its_programs_and_a_damaged_entry_is_compiled_ag
     assert first.returncode == 0, first.stderr[-3000:]
     assert LOADED not in first.stderr
     entries = sorted(programs.glob("*.programs"))
-    assert len(entries) == 2  # rollout, update
+    assert len(entries) == 3  # rollout, update, the policy's random init
+    shapes = sorted(programs.glob("*.shapes"))
+    assert len(shapes) == 1  # the policy's parameter shapes
     assert not list(programs.glob(".tmp-*"))
 
     again = _launch(tmp_path / "again", programs)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count(LOADED) == 2
+    assert again.stderr.count(LOADED) == 3
     runs.assert_same_metrics(tmp_path / "first" / "metrics.jsonl",
                              tmp_path / "again" / "metrics.jsonl")
 
-    for entry in entries:  # cut off, as by a full disk
+    for entry in entries + shapes:  # cut off, as by a full disk
         entry.write_bytes(entry.read_bytes()[:100])
     damaged = _launch(tmp_path / "damaged", programs)
     assert damaged.returncode == 0, damaged.stderr[-3000:]
     assert LOADED not in damaged.stderr
-    assert damaged.stderr.count("program cache: cannot read ") == 2
-    assert damaged.stderr.count("compiling instead") == 2
+    assert damaged.stderr.count("program cache: cannot read ") == 4
+    assert damaged.stderr.count("compiling instead") == 3
+    assert damaged.stderr.count("tracing instead") == 1
     runs.assert_same_metrics(tmp_path / "first" / "metrics.jsonl",
                              tmp_path / "damaged" / "metrics.jsonl")
-    assert sorted(programs.glob("*.programs")) == entries  # written again, whole
-    assert all(entry.stat().st_size > 100 for entry in entries)
+    # Written again, whole.
+    assert sorted(programs.glob("*.programs")) == entries
+    assert sorted(programs.glob("*.shapes")) == shapes
+    assert all(entry.stat().st_size > 100 for entry in entries + shapes)
     assert runs.metric_lines(tmp_path / "first") == 2  # the earlier runs are untouched
 
 
@@ -137,3 +143,42 @@ def test_a_miss_is_compiled_by_xla_even_when_jax_s_cache_holds_the_program(tmp_p
     (again,) = program_cache.compile_and_store("b" * 64, compile_f)
     np.testing.assert_array_equal(again(x), fresh(x))
     assert os.listdir(tmp_path) == ["a" * 64 + ".programs"]
+
+
+def test_a_random_model_is_the_same_drawn_afresh_or_by_a_stored_init(tmp_path, monkeypatch,
+                                                                     caplog):
+    """loading.random_params: the first call stores the init program, a second loads it;
+    both draw exactly what the plain init draws. program_cache.shapes keeps a traced
+    tree and gives it back without calling its maker; a damaged file is traced again."""
+    from pjit_ppo import loading, sharding
+    from pjit_ppo.models import ModelConfig, init_params, param_shapes
+    config = ModelConfig.from_hf_dict(dict(tiny_demo.get_config().model.random),
+                                      n_layers=1, vocab_size=98)
+    mesh = sharding.make_mesh(2, 2, 2)
+    expected = jax.device_get(jax.jit(init_params, static_argnums=0)(
+        config, jax.random.PRNGKey(3)))
+    monkeypatch.setenv(program_cache.ENV, str(tmp_path))
+    for loaded in (False, True):  # a miss (compiled, stored), then a hit (loaded)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            params = loading.random_params(config, mesh, 3)
+        assert (LOADED in caplog.text) == loaded
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), expected)
+        assert len(list(tmp_path.glob("*.programs"))) == 1
+    want = sharding.param_shardings(param_shapes(config), mesh)
+    assert jax.tree.map(lambda x: x.sharding, params) == want
+
+    monkeypatch.setenv(program_cache.ENV, str(tmp_path / "shapes"))
+    calls = []
+
+    def make():
+        calls.append(1)
+        return jax.eval_shape(lambda: {"w": jnp.zeros((3, 5))})
+    first = program_cache.shapes("test/shapes", "one", make)
+    assert first == {"w": jax.ShapeDtypeStruct((3, 5), jnp.float32)}
+    assert program_cache.shapes("test/shapes", "one", make) == first and len(calls) == 1
+    (stored,) = (tmp_path / "shapes").glob("*.shapes")
+    stored.write_bytes(b"\x80")  # damaged
+    assert program_cache.shapes("test/shapes", "one", make) == first and len(calls) == 2
+    assert program_cache.shapes("test/shapes", "two", make) == first and len(calls) == 3
+    assert len(list((tmp_path / "shapes").glob("*.shapes"))) == 2

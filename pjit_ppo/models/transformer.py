@@ -568,8 +568,19 @@ def init_params(config: ModelConfig, key: jax.Array) -> hk.Params:
 
 
 def param_shapes(config: ModelConfig) -> hk.Params:
-    """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating anything."""
-    return jax.eval_shape(functools.partial(init_params, config), jax.random.PRNGKey(0))
+    """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating anything.
+
+    Tracing the model's init costs a fraction of a second; the tree is kept per config
+    in the process, and across launches in the program cache when it is on."""
+    return jax.tree.map(lambda x: x, _param_shapes(config))
+
+
+@functools.lru_cache(maxsize=None)
+def _param_shapes(config: ModelConfig) -> hk.Params:
+    from pjit_ppo import program_cache
+    return program_cache.shapes(
+        "models/param_shapes", repr(config),
+        lambda: jax.eval_shape(functools.partial(init_params, config), jax.random.PRNGKey(0)))
 
 
 def forward(config: ModelConfig, params: hk.Params, input_ids: jax.Array,
