@@ -29,7 +29,9 @@ The description is the caller's contract: anything the traced function reads tha
 in the code, the configuration it names, or the arguments' shapes must be in it.
 `pjit_ppo.ppo.trainer.PPOTrainer` uses the cache only when it can describe its programs
 (the default optimizer and a reward that has a `program_key`); a random model's init
-(`pjit_ppo.loading`) is described by its ModelConfig and its parameters' shardings.
+(`pjit_ppo.loading`) is described by its ModelConfig and its parameters' shardings; the
+steps of SFT, reward learning and DPO (`pjit_ppo.supervised`) by the stage's config,
+ModelConfig and step count.
 
 Tracing alone also costs: `jax.eval_shape` of a model's init traces the whole model.
 `shapes` keeps such results (trees of jax.ShapeDtypeStruct) in the same directory, keyed

@@ -8,10 +8,16 @@ tokens). A step sums gradients and stats over the micro-batches (`lax.scan`) and
 divides by the total weight, so the step's gradient is the mean over the whole batch
 whatever the micro-batching, and every metric is a whole-batch mean. The loop around
 the step (batches, cadence, checkpoints) is pjit_ppo/loop.py.
+
+A stage that names everything its loss and optimizer close over (`description`: its
+config after every value read from data or tokenizer is resolved, its ModelConfig, the
+step count its schedule was built for) gets its steps from the program cache
+(`pjit_ppo.program_cache`, on with PJIT_PPO_PROGRAM_CACHE_DIR): a launch that repeats
+them loads the compiled programs instead of tracing them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pjit_ppo import sharding
+from pjit_ppo import program_cache, sharding
 
 LossFn = Callable[[Any, Dict[str, jax.Array]], Tuple[jax.Array, Dict[str, jax.Array]]]
 
@@ -61,8 +67,26 @@ def _zero_stats(loss_fn: LossFn, params, example):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def _cached(jitted, name: str, description: Optional[str]):
+    """`jitted`; or, with a description and the program cache on, a function that takes
+    its program from the cache (compiling and storing it on a miss) at the first call
+    and runs that program at every call (all calls have the first call's shapes and
+    shardings: a step's batches, an evaluation's padded batches)."""
+    if description is None or program_cache.directory() is None:
+        return jitted
+    program = None
+
+    def run(*args):
+        nonlocal program
+        if program is None:
+            program = program_cache.compiled(name, description, jitted, *args)
+        return program(*args)
+    return run
+
+
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, params,
-                    opt_state, mesh: Mesh, *, frozen=None, keyed: bool = False):
+                    opt_state, mesh: Mesh, *, frozen=None, keyed: bool = False,
+                    description: Optional[str] = None):
     """A jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`.
 
     batch: a dict of arrays [gas, micro, ...] (gas = gradient accumulation steps),
@@ -76,9 +100,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pa
     takes a fourth argument, a PRNG key (LoRA dropout). With either, loss_fn is called
     as loss_fn(params, micro_batch, frozen, key), key being the step key folded with the
     micro-batch's index (None when not keyed).
+
+    description: a string naming everything loss_fn and optimizer close over; with it,
+    the compiled step comes from the program cache when that is on (module docstring).
     """
     if frozen is None and not keyed:
-        return _plain_train_step(loss_fn, optimizer, params, opt_state, mesh)
+        return _cached(_plain_train_step(loss_fn, optimizer, params, opt_state, mesh),
+                       "supervised/train_step", description)
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
     def step(params, opt_state, batch, frozen, key):
@@ -98,8 +126,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, pa
 
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
-    jitted = jax.jit(step, out_shardings=(param_sh, opt_sh, sharding.replicated(mesh)),
-                     donate_argnums=(0, 1))
+    jitted = _cached(jax.jit(step, out_shardings=(param_sh, opt_sh, sharding.replicated(mesh)),
+                             donate_argnums=(0, 1)),
+                     "supervised/train_step", description)
 
     def run(params, opt_state, batch, key=None):
         return jitted(params, opt_state, batch, frozen, key)
@@ -139,14 +168,19 @@ def _plain_train_step(loss_fn: LossFn, optimizer, params, opt_state, mesh: Mesh)
                    donate_argnums=(0, 1))
 
 
-def make_eval_step(loss_fn: LossFn, mesh: Mesh, *, frozen=None):
+def make_eval_step(loss_fn: LossFn, mesh: Mesh, *, frozen=None,
+                   description: Optional[str] = None):
     """A jitted `(params, batch) -> stats sums` over one batch [B, ...] (no gradient).
-    frozen: as in `make_train_step` (loss_fn then gets it, and key None)."""
+    frozen, description: as in `make_train_step` (loss_fn then gets frozen, and key
+    None)."""
     if frozen is None:
-        return jax.jit(lambda params, batch: loss_fn(params, batch)[1],
-                       out_shardings=sharding.replicated(mesh))
-    jitted = jax.jit(lambda params, batch, frozen: loss_fn(params, batch, frozen, None)[1],
-                     out_shardings=sharding.replicated(mesh))
+        return _cached(jax.jit(lambda params, batch: loss_fn(params, batch)[1],
+                               out_shardings=sharding.replicated(mesh)),
+                       "supervised/eval_step", description)
+    jitted = _cached(
+        jax.jit(lambda params, batch, frozen: loss_fn(params, batch, frozen, None)[1],
+                out_shardings=sharding.replicated(mesh)),
+        "supervised/eval_step", description)
     return lambda params, batch: jitted(params, batch, frozen)
 
 

@@ -31,9 +31,10 @@ def _session_directory(variable: str, prefix: str) -> None:
 # subprocesses (tests/runs.py): the same programs are compiled by many tests.
 _session_directory("JAX_COMPILATION_CACHE_DIR", "pjit_ppo_jax_cache_")
 # And one program cache (pjit_ppo.program_cache), for the tests and the subprocesses
-# alike: a PPOTrainer that repeats another's phases loads them without tracing. Its key
-# holds the source of pjit_ppo, not what a test patches at run time: a test that patches
-# code a PPO phase traces must `monkeypatch.delenv("PJIT_PPO_PROGRAM_CACHE_DIR")`.
+# alike: a PPOTrainer that repeats another's phases, a supervised stage its steps and a
+# random model its init, load them without tracing. Its key holds the source of pjit_ppo,
+# not what a test patches at run time: a test that patches code one of those programs
+# traces must `monkeypatch.delenv("PJIT_PPO_PROGRAM_CACHE_DIR")`.
 _session_directory("PJIT_PPO_PROGRAM_CACHE_DIR", "pjit_ppo_programs_")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -182,3 +182,66 @@ def test_a_random_model_is_the_same_drawn_afresh_or_by_a_stored_init(tmp_path, m
     assert program_cache.shapes("test/shapes", "one", make) == first and len(calls) == 2
     assert program_cache.shapes("test/shapes", "two", make) == first and len(calls) == 3
     assert len(list((tmp_path / "shapes").glob("*.shapes"))) == 2
+
+
+def test_a_supervised_step_with_a_description_is_stored_loaded_and_computes_the_same(
+        tmp_path, monkeypatch, caplog):
+    """supervised.make_train_step / make_eval_step with a description: the first step
+    compiles and stores its program, a step made again from the same description loads
+    it; both compute exactly what the plain jitted step computes (a LoRA-like frozen
+    input and a dropout key included). Another description is another entry."""
+    import optax
+    from pjit_ppo import sharding, supervised
+    mesh = sharding.make_mesh(2, 2, 2)
+
+    def loss_fn(params, batch, frozen=None, key=None):
+        w = params["w"] if frozen is None else params["w"] + frozen["w"]
+        if key is not None:
+            w = w * jax.random.bernoulli(key, 0.9, w.shape)
+        err = batch["x"] @ w - batch["y"]
+        return jnp.sum(err ** 2), {"loss": jnp.sum(err ** 2),
+                                   "weight": jnp.float32(batch["x"].shape[0])}
+    rng = np.random.default_rng(0)
+    batch = supervised.put_batch(mesh, {"x": rng.normal(size=(2, 8, 4)).astype(np.float32),
+                                        "y": rng.normal(size=(2, 8, 3)).astype(np.float32)},
+                                 batch_dim=1)
+    frozen = {"w": jnp.ones((4, 3))}
+    optimizer = optax.adam(0.1)
+
+    def fresh():
+        params = {"w": jax.device_put(jnp.full((4, 3), 0.5), sharding.replicated(mesh))}
+        return params, supervised.init_opt_state(optimizer, params, mesh)
+
+    def three_steps(description, **kwargs):
+        params, opt_state = fresh()
+        step = supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh,
+                                          description=description, **kwargs)
+        key = (jax.random.PRNGKey(1),) if kwargs.get("keyed") else ()
+        for _ in range(3):
+            params, opt_state, metrics = step(params, opt_state, batch, *key)
+        evaluate = supervised.make_eval_step(loss_fn, mesh, frozen=kwargs.get("frozen"),
+                                             description=description)
+        stats = evaluate(params, jax.tree.map(lambda x: x[0], batch))
+        return jax.device_get((params, metrics, stats))
+
+    monkeypatch.setenv(program_cache.ENV, str(tmp_path))
+
+    def run(description, **kwargs):
+        """three_steps' results, how many programs it loaded, and the entries after it."""
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            got = three_steps(description, **kwargs)
+        return got, caplog.text.count(LOADED), len(list(tmp_path.glob("*.programs")))
+
+    stored = 0
+    for kwargs in ({}, {"frozen": frozen, "keyed": True}):
+        expected = three_steps(None, **kwargs)  # no description: never stored
+        assert len(list(tmp_path.glob("*.programs"))) == stored
+        for loaded in (0, 2):  # compiled and stored, then loaded (step, evaluation)
+            got, n_loaded, n_entries = run(f"toy {sorted(kwargs)}", **kwargs)
+            assert (n_loaded, n_entries) == (loaded, stored + 2)
+            jax.tree.map(np.testing.assert_array_equal, got, expected)
+        stored += 2
+    # Another description (say, another learning rate the optimizer closes over): compiled.
+    got, n_loaded, n_entries = run("toy [] with another learning rate")
+    assert (n_loaded, n_entries) == (0, stored + 2)

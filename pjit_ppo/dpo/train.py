@@ -195,9 +195,12 @@ def train(config: DPOConfig, workdir: str) -> Dict[str, Any]:
         sums = loss_sums(model_cfg, config, p, batch, base, key)
         return sums["loss"], sums
     keyed = spec is not None and spec.dropout > 0
+    # What the loss and optimizer close over, the token ids read from the tokenizer
+    # included (supervised.py: the program cache).
+    description = repr(("dpo", config.to_dict(), model_cfg, total))
     train_step = supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh,
-                                            frozen=base, keyed=keyed)
-    eval_step = supervised.make_eval_step(loss_fn, mesh, frozen=base)
+                                            frozen=base, keyed=keyed, description=description)
+    eval_step = supervised.make_eval_step(loss_fn, mesh, frozen=base, description=description)
     if ref_params is not None:  # the reference scores each batch (outside the gradient)
         stacked_ref = reference.logps_fn(ref_cfg, mesh, stacked=True)
         flat_ref = reference.logps_fn(ref_cfg, mesh, stacked=False)

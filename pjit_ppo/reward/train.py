@@ -201,7 +201,9 @@ def train(config: RewardLearningConfig, workdir: str) -> Dict[str, Any]:
     def loss_fn(p, batch):
         sums = loss_sums(reward_cfg, p, batch)
         return sums["loss"], sums
-    eval_fn = supervised.make_eval_step(loss_fn, mesh)
+    # What the loss and optimizer close over (supervised.py: the program cache).
+    description = repr(("reward", config.to_dict(), reward_cfg, total))
+    eval_fn = supervised.make_eval_step(loss_fn, mesh, description=description)
     sampler = NormSampler(config, policy_cfg, policy, reward_cfg, mesh, norm_queries)
     micro = config.batch_size // config.gradient_accumulation_steps
 
@@ -234,7 +236,8 @@ def train(config: RewardLearningConfig, workdir: str) -> Dict[str, Any]:
 
     stage = loop.Stage(
         name="reward learning", mesh=mesh,
-        step_fn=supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh),
+        step_fn=supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh,
+                                           description=description),
         train_arrays=train_arrays, batch_size=config.batch_size,
         micro_batches=config.gradient_accumulation_steps, seed=config.seed,
         shuffle_tag="reward", total_steps=total,

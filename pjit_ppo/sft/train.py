@@ -210,7 +210,9 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
     opt_state = supervised.init_opt_state(optimizer, params, mesh)
     loss_fn = _loss_fn(model_cfg)
     keyed = spec is not None and spec.dropout > 0
-    eval_fn = supervised.make_eval_step(loss_fn, mesh, frozen=base)
+    # What the loss and optimizer close over (supervised.py: the program cache).
+    description = repr(("sft", config.to_dict(), model_cfg, total))
+    eval_fn = supervised.make_eval_step(loss_fn, mesh, frozen=base, description=description)
     eval_arrays = eval_rows._asdict()
     micro = config.batch_size // config.gradient_accumulation_steps
 
@@ -222,7 +224,7 @@ def train(config: SFTConfig, workdir: str) -> Dict[str, Any]:
     stage = loop.Stage(
         name="SFT", mesh=mesh,
         step_fn=supervised.make_train_step(loss_fn, optimizer, params, opt_state, mesh,
-                                           frozen=base, keyed=keyed),
+                                           frozen=base, keyed=keyed, description=description),
         train_arrays=train_rows._asdict(), batch_size=config.batch_size,
         micro_batches=config.gradient_accumulation_steps, seed=config.seed, shuffle_tag="sft",
         total_steps=total,
